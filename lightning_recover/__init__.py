@@ -1,0 +1,12 @@
+"""lightning-recover: survive replica failures in Lightning HSDP training without restarting.
+
+Layers (see DESIGN.md):
+  communicator  fault-aware ULFM collectives, world epochs, replica-consistency gate
+  policy        versatile workload (constant B, spares, boundary steps)
+  planner       exactly-once microbatch ids -> samples, per-microbatch RNG
+  ledger        one JSON line per committed step, and its checker
+  strategies    the Lightning strategy that ties them together
+  callbacks     snapshots, epoch checks, boundary scheduling, fault injection
+"""
+
+__version__ = "0.1.0"
