@@ -1,0 +1,411 @@
+"""The step ledger: one JSON line per committed step, and the checker that audits it.
+
+The ledger is the evidence that recovery kept the optimisation exact: for StaticWorld every
+committed step applied exactly the B microbatch ids it owns (t*B .. t*B+B-1), once each,
+whatever failed; with a fault-free reference ledger, the loss trajectories can be compared
+step by step. `lightning-recover check-ledger` is `main()` here. Pure Python, no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import json
+import math
+import os
+import sys
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LEDGER_FIELDS",
+    "LedgerFormatError",
+    "LedgerVerdict",
+    "LedgerWriter",
+    "check_ledger",
+    "main",
+    "read_ledger",
+]
+
+LEDGER_FIELDS: tuple[str, ...] = (
+    "step",
+    "loss",
+    "B",
+    "committed",
+    "microbatch_ids",
+    "replicas",
+    "world_epoch",
+    "roles",
+    "faults",
+    "extra_microbatches",
+    "step_time_s",
+    "recovery_s",
+)
+
+_MAX_PRINTED_PROBLEMS = 20
+_MAX_LISTED_IDS = 10
+
+
+class LedgerFormatError(ValueError):
+    """A ledger file that cannot be parsed (not JSON lines of objects)."""
+
+
+def _to_json(value: Any) -> Any:
+    """json.dumps fallback for what a strategy naturally hands over (numpy, sets, enums)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if hasattr(value, "tolist"):  # numpy arrays and scalars, without importing numpy
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+class LedgerWriter:
+    """Appends one fsync'ed JSON line per committed step.
+
+    Each line goes out in a single O_APPEND write followed by fsync, so a killed process
+    leaves whole lines only, and a survivor's ledger is durable up to the last commit.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], append: bool = False) -> None:
+        self.path = Path(path)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd: int | None = os.open(self.path, flags, 0o644)
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"cannot open the step ledger for writing ({exc.strerror}); "
+                f"pass a writable ledger path",
+                str(self.path),
+            ) from exc
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if self._fd is None:
+            raise ValueError(f"ledger writer for {self.path} is closed; open a new LedgerWriter")
+        missing = [k for k in LEDGER_FIELDS if k not in record]
+        if missing:
+            raise ValueError(
+                f"ledger record for step {record.get('step', '?')} is missing fields "
+                f"{missing}; every line needs all of {list(LEDGER_FIELDS)}"
+            )
+        try:
+            line = json.dumps(dict(record), default=_to_json)
+        except TypeError as exc:
+            bad = []
+            for k, v in record.items():
+                try:
+                    json.dumps(v, default=_to_json)
+                except TypeError:
+                    bad.append(k)
+            raise TypeError(
+                f"ledger record for step {record.get('step', '?')} has values that are not "
+                f"JSON serialisable in fields {bad} ({exc}); convert them to numbers, "
+                f"strings, lists or dicts"
+            ) from exc
+        data = (line + "\n").encode()
+        view = memoryview(data)
+        while view:
+            n = os.write(self._fd, view)
+            view = view[n:]
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def __enter__(self) -> LedgerWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """All records of a ledger, in file order; blank lines are skipped."""
+    records: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise LedgerFormatError(
+                    f"{path}:{lineno}: not a JSON line ({exc.msg}); the ledger is corrupt or "
+                    f"was not written by LedgerWriter"
+                ) from None
+            if not isinstance(rec, dict):
+                raise LedgerFormatError(
+                    f"{path}:{lineno}: expected a JSON object per line, got "
+                    f"{type(rec).__name__}"
+                )
+            records.append(rec)
+    return records
+
+
+@dataclass
+class LedgerVerdict:
+    """Outcome of check_ledger; `summary_line()` is the one-line verdict the CLI prints last."""
+
+    ok: bool
+    steps: int
+    first_bad_step: int | None
+    problems: list[str]
+    B: int | None = None
+    policy: str = "static"
+    first_step: int | None = None
+    last_step: int | None = None
+    reference: str | None = None
+    rtol: float = 1e-4
+    # The problem that names first_bad_step (or the first one), for the verdict line.
+    headline: str | None = field(default=None, repr=False)
+
+    def summary_line(self) -> str:
+        if self.ok:
+            span = f"steps {self.first_step}-{self.last_step}" if self.steps else "no steps"
+            line = f"ledger OK: {self.steps} steps, B={self.B}, {span}, policy {self.policy}"
+            if self.reference is not None:
+                line += f", loss matches the reference within rtol={self.rtol:g}"
+            return line
+        head = self.headline or (self.problems[0] if self.problems else "unknown problem")
+        more = f" ({len(self.problems)} problems)" if len(self.problems) > 1 else ""
+        if self.first_bad_step is not None:
+            return f"ledger BAD: first bad step {self.first_bad_step}: {head}{more}"
+        return f"ledger BAD: {head}{more}"
+
+
+def _fmt_ids(ids: Sequence[int]) -> str:
+    shown = ", ".join(str(i) for i in ids[:_MAX_LISTED_IDS])
+    more = f", ... ({len(ids)} in all)" if len(ids) > _MAX_LISTED_IDS else ""
+    return f"[{shown}{more}]"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class _Problems:
+    """Problems tagged with the step they concern (None when no single step is to blame)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int | None, str]] = []
+
+    def add(self, step: int | None, text: str) -> None:
+        self.items.append((step, text))
+
+    def verdict(self, **kw: Any) -> LedgerVerdict:
+        steps_with = [s for s, _ in self.items if s is not None]
+        first = min(steps_with) if steps_with else None
+        headline = None
+        for s, text in self.items:
+            if s == first:
+                headline = text
+                break
+        rendered = [f"step {s}: {t}" if s is not None else t for s, t in self.items]
+        return LedgerVerdict(
+            ok=not self.items, first_bad_step=first, problems=rendered, headline=headline, **kw
+        )
+
+
+def _check_ids(
+    problems: _Problems, step: int, ids: list[Any], B: int, committed: Any, policy: str
+) -> None:
+    if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
+        problems.add(step, "microbatch_ids must be a list of integers")
+        return
+    expected = range(step * B, step * B + B)
+    counts = Counter(ids)
+    dups = sorted(i for i, c in counts.items() if c > 1)
+    outside = sorted(i for i in counts if i not in expected)
+    if dups:
+        problems.add(step, f"duplicated microbatch ids {_fmt_ids(dups)}")
+    if outside:
+        problems.add(
+            step,
+            f"microbatch ids outside the step's range {expected.start}..{expected.stop - 1}: "
+            f"{_fmt_ids(outside)}",
+        )
+    if policy == "static":
+        missing = [i for i in expected if i not in counts]
+        if missing:
+            problems.add(step, f"missing microbatch ids {_fmt_ids(missing)}")
+    if _is_int(committed) and committed != len(ids):
+        problems.add(step, f"committed={committed} but {len(ids)} microbatch ids are listed")
+
+
+def check_ledger(
+    path: str | os.PathLike[str],
+    reference: str | os.PathLike[str] | None = None,
+    rtol: float = 1e-4,
+    policy: str | None = None,
+) -> LedgerVerdict:
+    """Audit a ledger: exactly-once ids and constant B (StaticWorld), optionally vs a reference.
+
+    `policy` overrides the per-line "policy" key (default "static"); AdaptiveWorld lines are
+    only checked for ids that are unique, inside their step's range and counted right.
+    """
+    problems = _Problems()
+    ref_name = os.fspath(reference) if reference is not None else None
+    try:
+        records = read_ledger(path)
+    except (OSError, LedgerFormatError) as exc:
+        problems.add(None, f"cannot read ledger: {exc}")
+        return problems.verdict(steps=0, reference=ref_name, rtol=rtol)
+    if not records:
+        problems.add(None, f"ledger {os.fspath(path)} has no steps")
+        return problems.verdict(steps=0, reference=ref_name, rtol=rtol)
+
+    # The run's B is the most common one, so a single bad line is blamed, not all others.
+    Bs = Counter(r["B"] for r in records if _is_int(r.get("B")) and r["B"] > 0)
+    run_B = Bs.most_common(1)[0][0] if Bs else None
+    policies: set[str] = set()
+    losses: dict[int, Any] = {}
+    steps_seen: list[int] = []
+    prev_step: int | None = None
+
+    for lineno, rec in enumerate(records, 1):
+        step = rec.get("step")
+        if not _is_int(step) or step < 0:
+            problems.add(
+                prev_step + 1 if prev_step is not None else None,
+                f"line {lineno}: step must be a non-negative integer, got {step!r}",
+            )
+            continue
+        missing = [k for k in LEDGER_FIELDS if k not in rec]
+        if missing:
+            problems.add(step, f"missing fields {missing}")
+        if prev_step is not None and step != prev_step + 1:
+            problems.add(step, f"steps are not consecutive: step {step} follows step {prev_step}")
+        prev_step = step
+        steps_seen.append(step)
+        line_policy = policy or rec.get("policy", "static")
+        if line_policy not in ("static", "adaptive"):
+            problems.add(step, f"unknown policy {line_policy!r}; expected static or adaptive")
+            line_policy = "static"
+        policies.add(line_policy)
+        losses[step] = rec.get("loss")
+
+        B = rec.get("B")
+        if not _is_int(B) or B < 1:
+            problems.add(step, f"B must be a positive integer, got {B!r}")
+            continue
+        if run_B is not None and B != run_B:
+            problems.add(step, f"B={B}, but the run's B is {run_B} (B must stay constant)")
+        committed = rec.get("committed")
+        if not _is_int(committed):
+            problems.add(step, f"committed must be an integer, got {committed!r}")
+        elif line_policy == "static" and committed != run_B:
+            problems.add(step, f"committed={committed}, expected B={run_B}")
+        elif line_policy == "adaptive" and not 0 < committed <= B:
+            problems.add(step, f"committed={committed}, expected 1..B={B}")
+        if "microbatch_ids" in rec:
+            _check_ids(problems, step, rec["microbatch_ids"], run_B or B, committed, line_policy)
+
+    if reference is not None:
+        _compare_losses(problems, losses, ref_name or "", rtol)
+
+    return problems.verdict(
+        steps=len(records),
+        B=run_B,
+        policy="/".join(sorted(policies)) or "static",
+        first_step=steps_seen[0] if steps_seen else None,
+        last_step=steps_seen[-1] if steps_seen else None,
+        reference=ref_name,
+        rtol=rtol,
+    )
+
+
+def _compare_losses(problems: _Problems, losses: dict[int, Any], reference: str, rtol: float) -> None:
+    try:
+        ref_records = read_ledger(reference)
+    except (OSError, LedgerFormatError) as exc:
+        problems.add(None, f"cannot read reference ledger: {exc}")
+        return
+    ref = {r["step"]: r.get("loss") for r in ref_records if _is_int(r.get("step"))}
+    only_here = sorted(set(losses) - set(ref))
+    only_ref = sorted(set(ref) - set(losses))
+    if only_here or only_ref:
+        first = min(only_here[:1] + only_ref[:1])
+        problems.add(
+            first,
+            f"step counts differ: ledger has {len(losses)} steps, reference has {len(ref)} "
+            f"(steps only in the ledger: {_fmt_ids(only_here)}, "
+            f"only in the reference: {_fmt_ids(only_ref)})",
+        )
+    differing: list[tuple[int, Any, Any]] = []
+    for step in sorted(set(losses) & set(ref)):
+        a, b = losses[step], ref[step]
+        if not (_is_number(a) and _is_number(b)):
+            if a != b:
+                differing.append((step, a, b))
+            continue
+        if math.isnan(a) and math.isnan(b):
+            continue  # both diverged identically
+        if not math.isclose(a, b, rel_tol=rtol, abs_tol=1e-8):
+            differing.append((step, a, b))
+    if differing:
+        step, a, b = differing[0]
+        rel = (
+            f" (rel diff {abs(a - b) / max(abs(b), 1e-30):.3g} > rtol {rtol:g})"
+            if _is_number(a) and _is_number(b)
+            else ""
+        )
+        problems.add(
+            step,
+            f"loss {a!r} differs from the reference {b!r}{rel}; "
+            f"{len(differing)} of {len(set(losses) & set(ref))} compared steps differ",
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`lightning-recover check-ledger LEDGER [--reference REF] [--rtol X]`; 0 if OK, else 1."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-recover check-ledger",
+        description=(
+            "Verify a step ledger: every StaticWorld step committed exactly its B microbatch "
+            "ids once each, with constant B; optionally compare losses with a reference ledger."
+        ),
+    )
+    parser.add_argument("ledger", help="the ledger (JSON lines) to check")
+    parser.add_argument("--reference", help="a fault-free run's ledger to compare losses with")
+    parser.add_argument(
+        "--rtol", type=float, default=1e-4, help="relative tolerance for losses (default 1e-4)"
+    )
+    parser.add_argument(
+        "--policy",
+        choices=("static", "adaptive"),
+        default=None,
+        help="override the ledger's policy key (default: per line, static if absent)",
+    )
+    args = parser.parse_args(argv)
+    if not args.rtol >= 0:
+        parser.error(f"--rtol must be >= 0, got {args.rtol}")
+    verdict = check_ledger(args.ledger, reference=args.reference, rtol=args.rtol, policy=args.policy)
+    for text in verdict.problems[:_MAX_PRINTED_PROBLEMS]:
+        print(text)
+    if len(verdict.problems) > _MAX_PRINTED_PROBLEMS:
+        print(f"... and {len(verdict.problems) - _MAX_PRINTED_PROBLEMS} more problems")
+    print(verdict.summary_line())
+    sys.stdout.flush()
+    return 0 if verdict.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
