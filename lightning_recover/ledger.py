@@ -332,7 +332,9 @@ def check_ledger(
     )
 
 
-def _compare_losses(problems: _Problems, losses: dict[int, Any], reference: str, rtol: float) -> None:
+def _compare_losses(
+    problems: _Problems, losses: dict[int, Any], reference: str, rtol: float
+) -> None:
     try:
         ref_records = read_ledger(reference)
     except (OSError, LedgerFormatError) as exc:
@@ -397,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.rtol >= 0:
         parser.error(f"--rtol must be >= 0, got {args.rtol}")
-    verdict = check_ledger(args.ledger, reference=args.reference, rtol=args.rtol, policy=args.policy)
+    verdict = check_ledger(
+        args.ledger, reference=args.reference, rtol=args.rtol, policy=args.policy
+    )
     for text in verdict.problems[:_MAX_PRINTED_PROBLEMS]:
         print(text)
     if len(verdict.problems) > _MAX_PRINTED_PROBLEMS:

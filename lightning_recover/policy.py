@@ -19,8 +19,7 @@ import abc
 import enum
 import heapq
 import operator
-import types
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +67,33 @@ class ReplicaNotLiveError(PolicyError, KeyError):
     def __str__(self) -> str:
         # KeyError would repr() the message; keep it readable.
         return str(self.args[0]) if self.args else ""
+
+
+class _FrozenMap(Mapping[int, "ReplicaPlan"]):
+    """Read-only mapping that, unlike MappingProxyType, survives copy.deepcopy and pickle."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self, d: dict[int, ReplicaPlan]) -> None:
+        self._d = d
+
+    def __getitem__(self, key: int) -> ReplicaPlan:
+        return self._d[key]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __repr__(self) -> str:
+        return repr(self._d)
+
+    def __getstate__(self) -> dict[int, ReplicaPlan]:
+        return self._d
+
+    def __setstate__(self, d: dict[int, ReplicaPlan]) -> None:
+        self._d = d
 
 
 @dataclass(frozen=True)
@@ -129,7 +155,12 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class CommitRecord:
-    """What a committed step applied; the ledger line is built from it."""
+    """What a committed step applied; the ledger line is built from it.
+
+    `faults` includes replicas found dead between the previous commit and this step's
+    begin_step. `extra_microbatches` counts the replayed ids the committing replicas hold
+    (the boundary step's B - C_cur); a replayer that died mid-replay is not counted.
+    """
 
     step: int
     B: int
@@ -324,7 +355,7 @@ class WorkloadPolicy(abc.ABC):
         return self._plan()
 
     def _frozen_plans(self) -> Mapping[int, ReplicaPlan]:
-        return types.MappingProxyType({r: self._slots[r].freeze(r) for r in sorted(self._slots)})
+        return _FrozenMap({r: self._slots[r].freeze(r) for r in sorted(self._slots)})
 
     def _common_state(self) -> dict[str, Any]:
         return {
@@ -377,7 +408,11 @@ class WorkloadPolicy(abc.ABC):
     def _plan(self) -> StepPlan: ...
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable committed state; an open step is not saved (it is re-run)."""
+        """JSON-serialisable state between steps.
+
+        An open step's plan is not saved: after a load, begin_step(next_step, alive) re-runs
+        that step from its steady-state plan for the replicas live at the last event.
+        """
         return self._common_state()
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:

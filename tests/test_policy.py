@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from lightning_recover.policy import (
@@ -117,6 +117,18 @@ class Run:
         survivors = [r for r in old.plans if r not in lost]
         new = self.policy.fail(lost)
         assert self.twin.fail(lost) == new
+        # Labels for --hypothesis-show-statistics: the interesting paths must be reached.
+        for r in newly:
+            event(f"lost a {old.plans[r].role.value}")
+        if old.replayed and len(new.replayed) > len(old.replayed):
+            event("cascade within a boundary step")
+        if any(not old.plans[r].contributes and new.plans[r].extra for r in survivors):
+            event("spare turned replayer")
+        if any(
+            not old.plans[r].contributes and new.plans[r].contributes and not new.plans[r].extra
+            for r in survivors
+        ):
+            event("spare promoted")
         assert sorted(new.plans) == sorted(survivors)
         check_exactly_once(new)
         check_roles(new)
