@@ -316,8 +316,10 @@ class WorkloadPolicy(abc.ABC):
                 f"(live: {list(self._live)}); hot re-join is not supported, drop them from alive"
             )
         self._check_enough(alive_set, f"begin_step({step})")
-        # Replicas found dead between steps are recorded as faults of the step that saw them.
-        self._faults = sorted(set(self._live) - alive_set)
+        # Replicas found dead between steps are recorded as faults of the step that saw them;
+        # re-beginning an uncommitted step keeps the faults its aborted attempt saw.
+        carried = set(self._faults) if self._step is not None else set()
+        self._faults = sorted(carried | (set(self._live) - alive_set))
         self._live = tuple(sorted(alive_set))
         self._step = step
         return list(self._live)

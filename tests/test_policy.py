@@ -404,6 +404,15 @@ def test_between_step_failures_are_faults_of_the_next_step():
     assert rec.faults == (1,) and rec.extra_microbatches == 0
 
 
+def test_rebegin_uncommitted_step_keeps_its_faults():
+    pol = StaticWorld(W_init=4, G_init=2)
+    pol.begin_step(0, range(4))
+    pol.fail([3])
+    plan = pol.begin_step(0, [0, 1, 2])  # the attempt was aborted; the step re-runs
+    assert plan.G_ext == 0 and plan.G_cur == 3
+    assert pol.commit().faults == (3,)
+
+
 def test_fail_is_idempotent_for_dead_replicas():
     pol = StaticWorld(W_init=4, G_init=2)
     pol.begin_step(0, range(4))
