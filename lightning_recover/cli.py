@@ -1,0 +1,63 @@
+"""The ``lightning-recover`` command: launch jobs, check ledgers, run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _launch(argv: list[str]) -> int:
+    from lightning_recover.launcher import exec_launch
+
+    parser = argparse.ArgumentParser(
+        prog="lightning-recover launch",
+        description="Run CMD on N ranks under 'mpiexec --with-ft ulfm' (prints the command it runs).",
+    )
+    parser.add_argument("-n", "--nprocs", type=int, required=True, help="number of MPI ranks (replicas x shards)")
+    parser.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="turn on the ULFM failure detector: a rank silent this long is declared dead",
+    )
+    parser.add_argument("--mpi-arg", action="append", default=[], help="extra argument passed to mpiexec (repeatable)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        exec_launch(args.nprocs, command, hang_timeout=args.hang_timeout, extra=args.mpi_arg)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"lightning-recover launch: {exc}", file=sys.stderr)
+        return 2
+    return 0  # pragma: no cover - exec does not return
+
+
+def _check_ledger(argv: list[str]) -> int:
+    from lightning_recover.ledger import main as ledger_main
+
+    return ledger_main(argv)
+
+
+COMMANDS = {
+    "launch": (_launch, "run a command on N ranks under mpiexec --with-ft ulfm"),
+    "check-ledger": (_check_ledger, "verify a step ledger (exactly-once ids, constant B, loss vs a reference)"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in {"-h", "--help"} or argv[0] not in COMMANDS:
+        lines = ["usage: lightning-recover COMMAND [ARGS]", "", "commands:"]
+        lines += [f"  {name:<14} {help_}" for name, (_, help_) in COMMANDS.items()]
+        print("\n".join(lines), file=sys.stderr if argv and argv[0] not in {"-h", "--help"} else sys.stdout)
+        if argv and argv[0] not in {"-h", "--help"}:
+            print(f"lightning-recover: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0
+    func, _ = COMMANDS[argv[0]]
+    return func(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Run real mpiexec jobs from pytest through the project's launcher, with a hard timeout.
+
+Every job runs in its own process group; on timeout the whole group is SIGKILLed, so no
+test can leave ranks behind or hang CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+@dataclass
+class MPIJob:
+    returncode: int
+    stdout: str
+    stderr: str
+    outdir: Path
+
+    def results(self) -> dict[int, dict]:
+        """Per-rank JSON results keyed by original world rank."""
+        out = {}
+        for f in sorted(self.outdir.glob("rank*.json")):
+            out[int(f.stem[4:])] = json.loads(f.read_text())
+        return out
+
+    def describe(self) -> str:
+        return f"rc={self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
+
+
+def run_mpi(
+    nprocs: int,
+    args: list[str],
+    outdir: Path,
+    *,
+    timeout: float = 120,
+    hang_timeout: float | None = None,
+    env: dict[str, str] | None = None,
+) -> MPIJob:
+    """``lightning-recover launch -n nprocs -- python ARGS`` with OUT=outdir; killed after ``timeout``."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(nprocs)]
+    if hang_timeout is not None:
+        cmd += ["--hang-timeout", str(hang_timeout)]
+    cmd += ["--", sys.executable, *args]
+    full_env = dict(os.environ)
+    full_env.update({"LR_TEST_OUT": str(outdir), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    full_env.update(env or {})
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"mpiexec job timed out after {timeout}s: {args}\n{stdout[-3000:]}\n{stderr[-5000:]}")
+    finally:
+        try:  # reap stragglers (e.g. SIGSTOPped ranks) that outlived mpiexec
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return MPIJob(proc.returncode, stdout, stderr, outdir)
