@@ -10,3 +10,12 @@ Layers (see DESIGN.md):
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # Lazy: the pure layers (policy, planner, ledger) must import without torch or MPI.
+    if name == "ReCoVerHSDPStrategy":
+        from lightning_recover.strategies import ReCoVerHSDPStrategy
+
+        return ReCoVerHSDPStrategy
+    raise AttributeError(name)

@@ -1,0 +1,87 @@
+"""Fault injection for tests and chaos runs: kill or stop this very process at a chosen point.
+
+Schedule entries are ``{step, rank, phase, kind}`` with optional ``microbatch`` and
+``bucket``. ``rank`` is an ORIGINAL world rank; ``step`` the optimizer step (0-based);
+``phase`` one of forward | backward | reduce | optimizer; ``kind`` kill (SIGKILL) or hang
+(SIGSTOP). ``microbatch`` pins forward/backward to the k-th microbatch (0-based) this
+replica computes in that step; ``bucket`` pins reduce to that bucket index (default 0).
+The strategy calls :meth:`FaultInjection.at` at each point; an entry fires once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+PHASES = ("forward", "backward", "reduce", "optimizer")
+KINDS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    step: int
+    rank: int
+    phase: str
+    kind: str = "kill"
+    microbatch: int | None = None
+    bucket: int | None = None
+
+    @classmethod
+    def parse(cls, entry: Mapping[str, Any] | FaultSpec, index: int = 0) -> FaultSpec:
+        if isinstance(entry, FaultSpec):
+            return entry
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"fault.schedule[{index}] must be a mapping like {{step: 3, rank: 2, phase: backward, kind: kill}}, got {entry!r}")
+        unknown = set(entry) - {"step", "rank", "phase", "kind", "microbatch", "bucket"}
+        if unknown:
+            raise ValueError(f"fault.schedule[{index}] has unknown keys {sorted(unknown)}; allowed: step, rank, phase, kind, microbatch, bucket")
+        for key in ("step", "rank", "phase"):
+            if key not in entry:
+                raise ValueError(f"fault.schedule[{index}] is missing '{key}': {dict(entry)!r}")
+        phase, kind = str(entry["phase"]), str(entry.get("kind", "kill"))
+        if phase not in PHASES:
+            raise ValueError(f"fault.schedule[{index}].phase={phase!r} is not one of {PHASES}")
+        if kind not in KINDS:
+            raise ValueError(f"fault.schedule[{index}].kind={kind!r} is not one of {tuple(KINDS)}")
+        ints = {}
+        for key in ("step", "rank", "microbatch", "bucket"):
+            v = entry.get(key)
+            if v is None:
+                ints[key] = None
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"fault.schedule[{index}].{key}={v!r} must be a non-negative integer")
+            ints[key] = v
+        return cls(ints["step"], ints["rank"], phase, kind, ints["microbatch"], ints["bucket"])  # type: ignore[arg-type]
+
+
+class FaultInjection(Callback):
+    """Fires the scheduled faults of this rank; see the module docstring."""
+
+    def __init__(self, schedule: Iterable[Mapping[str, Any] | FaultSpec] = ()) -> None:
+        self.schedule = [FaultSpec.parse(e, i) for i, e in enumerate(schedule)]
+        self._fired: set[int] = set()
+
+    def at(self, phase: str, *, step: int, rank: int, microbatch: int | None = None, bucket: int | None = None) -> None:
+        for i, spec in enumerate(self.schedule):
+            if i in self._fired or spec.rank != rank or spec.step != step or spec.phase != phase:
+                continue
+            if phase in ("forward", "backward") and (spec.microbatch or 0) != (microbatch or 0):
+                continue
+            if phase == "reduce" and (spec.bucket or 0) != (bucket or 0):
+                continue
+            self._fired.add(i)
+            print(
+                f"[lightning-recover] fault injection: {spec.kind} rank {rank} at step {step} {phase}"
+                + (f" microbatch {microbatch}" if microbatch is not None else "")
+                + (f" bucket {bucket}" if bucket is not None else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+            os.kill(os.getpid(), KINDS[spec.kind])

@@ -1,0 +1,90 @@
+"""Launched training job for the strategy tests: tiny GPT, real corpus bytes, optional faults.
+
+Every rank writes ``rank{R}.json`` (final parameters' checksum, its view of the run) and
+``params{R}.pt`` (full parameters) into $LR_TEST_OUT; the leader writes the ledger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from lightning_recover.callbacks import FaultInjection  # noqa: E402
+from lightning_recover.strategies import ReCoVerHSDPStrategy  # noqa: E402
+from model import GPT, ByteDataset, read_corpus, SIZES  # noqa: E402
+
+
+def build(args: argparse.Namespace) -> tuple[GPT, ByteDataset]:
+    L.seed_everything(args.seed, verbose=False)
+    sizes = dict(SIZES["tiny"])
+    model = GPT(**sizes, dropout=args.dropout, warmup_steps=2)
+    data = ByteDataset(read_corpus(max_bytes=args.corpus_bytes), sizes["block_size"])
+    return model, data
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        out[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    return out
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shards", type=int, default=1)
+    ap.add_argument("--grad-accum", type=int, default=2)
+    ap.add_argument("--target", type=int, default=None)
+    ap.add_argument("--policy", default="static")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--mbs", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--corpus-bytes", type=int, default=300_000)
+    ap.add_argument("--faults", default="[]")
+    ap.add_argument("--precision", default="32-true")
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
+    out = Path(os.environ["LR_TEST_OUT"])
+    model, data = build(args)
+    strategy = ReCoVerHSDPStrategy(
+        shards=args.shards, grad_accum=args.grad_accum, target_replicas=args.target, policy=args.policy,
+        ledger_path=out / "ledger.jsonl", seed=args.seed, bucket_mb=0.01,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,
+        callbacks=[FaultInjection(json.loads(args.faults))], logger=CSVLogger(out, name="logs"),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        gradient_clip_val=1.0, num_sanity_val_steps=0, log_every_n_steps=1,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=args.mbs))
+    comm = strategy.comm
+    assert comm is not None
+    params = full_params(model)
+    if comm.shard == 0:
+        torch.save(params, out / f"params{comm.rank}.pt")
+    result = {
+        "rank": comm.rank, "replica": comm.replica, "epoch": comm.epoch, "alive": list(comm.alive_replicas),
+        "global_step": trainer.global_step, "leader": strategy.global_rank == 0, "last": strategy.last_record,
+    }
+    (out / f"rank{comm.rank}.json").write_text(json.dumps(result))
+    strategy.shutdown(exit_code=0)
+
+
+if __name__ == "__main__":
+    main()
