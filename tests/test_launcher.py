@@ -1,0 +1,216 @@
+"""The launcher and the ``lightning-recover`` command line."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_recover import cli
+from lightning_recover.launcher import build_command, detector_flags, find_mpiexec, launch_env
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = "/opt/mpi/bin/mpiexec"
+
+
+def _mca(argv: list[str]) -> dict[str, str]:
+    """``--mca KEY VALUE`` pairs of an argv."""
+    return {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "--mca"}
+
+
+# ------------------------------------------------------------------------------ build_command
+def test_basic_command() -> None:
+    argv = build_command(4, ["python", "train.py", "--lr", "1e-3"], cores=8, mpiexec=MPIEXEC)
+    assert argv == [MPIEXEC, "--with-ft", "ulfm", "-n", "4", "python", "train.py", "--lr", "1e-3"]
+
+
+@pytest.mark.parametrize(("n", "cores", "over"), [(1, 1, False), (2, 2, False), (3, 2, True), (4, 2, True), (16, 64, False), (65, 64, True)])
+def test_oversubscribe_only_when_more_ranks_than_cores(n: int, cores: int, over: bool) -> None:
+    argv = build_command(n, ["x"], cores=cores, mpiexec=MPIEXEC)
+    assert ("--oversubscribe" in argv) == over
+    assert argv[argv.index("-n") + 1] == str(n)
+    assert argv[-1] == "x", "the user's command comes last, untouched"
+
+
+def test_oversubscribe_defaults_to_this_machines_cores() -> None:
+    cores = os.cpu_count() or 1
+    assert "--oversubscribe" not in build_command(cores, ["x"], mpiexec=MPIEXEC)
+    assert "--oversubscribe" in build_command(cores + 1, ["x"], mpiexec=MPIEXEC)
+
+
+def test_ft_is_always_on() -> None:
+    argv = build_command(2, ["x"], cores=2, mpiexec=MPIEXEC)
+    i = argv.index("--with-ft")
+    assert argv[i + 1] == "ulfm"
+
+
+def test_no_detector_without_hang_timeout() -> None:
+    argv = build_command(2, ["x"], cores=2, mpiexec=MPIEXEC)
+    assert not any("detector" in a for a in argv)
+
+
+@pytest.mark.parametrize(("timeout", "period"), [(4, "1"), (10, "1"), (2, "0.5"), (0.2, "0.1"), (0.1, "0.1")])
+def test_detector_flags_with_hang_timeout(timeout: float, period: str) -> None:
+    argv = build_command(2, ["python", "t.py"], cores=2, mpiexec=MPIEXEC, hang_timeout=timeout)
+    mca = _mca(argv)
+    assert mca == {
+        "mpi_ft_detector": "true",
+        "mpi_ft_detector_thread": "true",
+        "mpi_ft_detector_period": period,
+        "mpi_ft_detector_timeout": f"{timeout:g}",
+    }
+    # The period never exceeds the timeout, so a hang is caught within about one timeout.
+    assert float(mca["mpi_ft_detector_period"]) <= timeout
+    # mpiexec options all precede the user's command.
+    assert argv[-2:] == ["python", "t.py"]
+    assert argv.index("--mca") < argv.index("python")
+
+
+@pytest.mark.parametrize("bad", [0, -1, -0.5])
+def test_bad_hang_timeout_named(bad: float) -> None:
+    with pytest.raises(ValueError, match=rf"--hang-timeout must be > 0 seconds, got {bad:g}"):
+        build_command(2, ["x"], cores=2, mpiexec=MPIEXEC, hang_timeout=bad)
+    with pytest.raises(ValueError, match="--hang-timeout"):
+        detector_flags(bad)
+
+
+def test_extra_mpiexec_args_precede_command() -> None:
+    argv = build_command(2, ["python", "t.py"], cores=2, mpiexec=MPIEXEC, extra=["--bind-to", "none"])
+    assert argv[-4:] == ["--bind-to", "none", "python", "t.py"]
+
+
+@pytest.mark.parametrize("bad", [0, -1, -8])
+def test_bad_n_named(bad: int) -> None:
+    with pytest.raises(ValueError, match=rf"-n must be >= 1, got {bad}\b"):
+        build_command(bad, ["x"], mpiexec=MPIEXEC)
+
+
+def test_empty_command() -> None:
+    with pytest.raises(ValueError, match="no command given; usage: lightning-recover launch"):
+        build_command(2, [], mpiexec=MPIEXEC)
+
+
+def test_find_mpiexec_is_runnable() -> None:
+    path = find_mpiexec()
+    assert os.path.isfile(path) and os.access(path, os.X_OK)
+    assert build_command(1, ["x"], cores=1)[0] == path
+
+
+# ------------------------------------------------------------------------------ launch_env
+def test_launch_env_root_vars(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    env = launch_env({"PATH": "/bin"})
+    assert env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
+    assert env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
+    assert env["PATH"] == "/bin"
+    assert env["OMP_NUM_THREADS"] == "1"
+
+
+def test_launch_env_not_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    env = launch_env({"PATH": "/bin"})
+    assert "OMPI_ALLOW_RUN_AS_ROOT" not in env and "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM" not in env
+
+
+def test_launch_env_keeps_user_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    env = launch_env({"OMP_NUM_THREADS": "4", "OMPI_ALLOW_RUN_AS_ROOT": "1"})
+    assert env["OMP_NUM_THREADS"] == "4"
+
+
+def test_launch_env_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LR_LAUNCH_ENV_PROBE", "yes")
+    env = launch_env()
+    assert env["LR_LAUNCH_ENV_PROBE"] == "yes"
+    assert "LR_LAUNCH_ENV_PROBE" in os.environ, "launch_env must copy, never modify os.environ"
+    env["LR_LAUNCH_ENV_PROBE"] = "changed"
+    assert os.environ["LR_LAUNCH_ENV_PROBE"] == "yes"
+
+
+# ------------------------------------------------------------------------------ the CLI
+def _cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "lightning_recover.cli", *args],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, start_new_session=True,
+        )
+    except subprocess.TimeoutExpired as exc:  # subprocess.run kills the child; say what hung
+        raise AssertionError(f"lightning-recover {shlex.join(args)} did not finish in {timeout}s") from exc
+
+
+@pytest.mark.mpi
+def test_launch_runs_two_real_ranks_and_prints_the_command() -> None:
+    probe = (
+        "from mpi4py import MPI; import os; c = MPI.COMM_WORLD; "
+        "print(f'rank {c.Get_rank()} of {c.Get_size()} ft={os.environ.get(\"OMPI_MCA_mpi_ft_enable\")}', flush=True)"
+    )
+    res = _cli("launch", "-n", "2", "--", sys.executable, "-c", probe)
+    assert res.returncode == 0, res.stderr
+    assert sorted(line for line in res.stdout.splitlines() if line.startswith("rank ")) == [
+        "rank 0 of 2 ft=1",
+        "rank 1 of 2 ft=1",
+    ]
+    printed = [line for line in res.stderr.splitlines() if line.startswith("[lightning-recover] ")]
+    assert printed, res.stderr
+    argv = shlex.split(printed[0][len("[lightning-recover] "):])
+    assert argv[1:5] == ["--with-ft", "ulfm", "-n", "2"]
+    assert argv[-3:] == [sys.executable, "-c", probe]
+
+
+@pytest.mark.mpi
+def test_launch_passes_the_exit_status_through() -> None:
+    res = _cli("launch", "-n", "1", "--", sys.executable, "-c", "import sys; sys.exit(3)")
+    assert res.returncode != 0
+
+
+def test_launch_errors_exit_2() -> None:
+    res = _cli("launch", "-n", "0", "--", "true")
+    assert res.returncode == 2
+    assert "-n must be >= 1, got 0" in res.stderr
+    res = _cli("launch", "-n", "2")
+    assert res.returncode == 2
+    assert "no command given" in res.stderr
+    res = _cli("launch", "-n", "2", "--hang-timeout", "0", "--", "true")
+    assert res.returncode == 2
+    assert "--hang-timeout must be > 0" in res.stderr
+
+
+def test_launch_requires_n(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["launch", "--", "true"])
+    assert exc.value.code == 2
+    assert "-n/--nprocs" in capsys.readouterr().err
+
+
+def test_no_command_prints_usage(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert "usage: lightning-recover COMMAND" in out
+    assert "launch" in out and "check-ledger" in out
+
+
+def test_help_prints_usage(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["--help"]) == 0
+    assert "usage: lightning-recover COMMAND" in capsys.readouterr().out
+
+
+def test_unknown_command_exits_2(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["frobnicate"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'frobnicate'" in err
+    assert "usage: lightning-recover COMMAND" in err
+
+
+def test_console_script_is_installed() -> None:
+    script = os.path.join(os.path.dirname(sys.executable), "lightning-recover")
+    script = script if os.path.exists(script) else shutil.which("lightning-recover")
+    assert script, "the lightning-recover console script is not installed (pip install -e .)"
+    res = subprocess.run([script], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0
+    assert "usage: lightning-recover COMMAND" in res.stdout
