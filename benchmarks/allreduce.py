@@ -1,0 +1,254 @@
+"""SUM all-reduce bandwidth: FaultTolerantComm (ULFM MPI) vs torch.distributed gloo.
+
+Run it as ``python benchmarks/allreduce.py``. The script launches itself through
+``lightning-recover launch -n N`` (i.e. ``mpiexec --with-ft ulfm``) for N = 2 and 4, each
+job under a hard timeout. Inside a job every rank creates both a ``FaultTolerantComm``
+(reducing over the whole world, ``across="world"``) and a gloo process group on the same
+ranks (TCPStore address and port broadcast over MPI), then times the two *alternately*
+on identical fp32 buffers: warm-up first, then ``--iters`` timed rounds per size, each
+round one ULFM reduce and one gloo reduce, in alternating order.
+
+Bandwidth is *algorithm bandwidth*: buffer bytes / time, where the time of one iteration
+is the slowest rank's (ranks are lined up by an MPI barrier before every timed call).
+We report the median over iterations. Results go to ``benchmarks/results/allreduce.json``;
+the last line printed is the headline ratio at 64 MB.
+
+Options: ``--sizes-mb 4 64``, ``--ranks 2 4``, ``--iters``, ``--warmup``,
+``--bucket-mb`` (bucket size of the FaultTolerantComm; default: the library default,
+25 MB) and ``--timeout`` (seconds per mpiexec job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "allreduce.json"
+MB = 1024 * 1024
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="world sizes to run (one mpiexec job each)")
+    p.add_argument("--sizes-mb", type=float, nargs="+", default=[4, 64], help="fp32 buffer sizes in MiB")
+    p.add_argument("--iters", type=int, default=0, help="timed iterations per size (0: 40 for <=16 MiB, else 20)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations per size and backend")
+    p.add_argument("--bucket-mb", type=float, default=None, help="FaultTolerantComm bucket size in MiB (default: library default)")
+    p.add_argument("--sweep-buckets-mb", type=float, nargs="*", default=[1, 4, 16, 64],
+                   help="extra bucket sizes timed (out-of-place) at the largest buffer size; none to skip")
+    p.add_argument("--timeout", type=float, default=150, help="hard timeout per mpiexec job in seconds")
+    p.add_argument("--out", type=Path, default=RESULTS, help="JSON results file")
+    p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # set when run under mpiexec
+    return p.parse_args(argv)
+
+
+def iters_for(size_mb: float, iters: int) -> int:
+    return iters if iters > 0 else (40 if size_mb <= 16 else 20)
+
+
+# ---------------------------------------------------------------------------------- worker
+def worker(args: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+
+    from lightning_recover.communicator import DEFAULT_BUCKET_BYTES, FaultTolerantComm
+
+    torch.set_num_threads(1)
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    bucket_bytes = int(args.bucket_mb * MB) if args.bucket_mb else DEFAULT_BUCKET_BYTES
+    comm = FaultTolerantComm(bucket_bytes=bucket_bytes)
+
+    # gloo on the same ranks: rank 0 hosts the TCPStore on a free port, MPI tells the others.
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        addr = ("127.0.0.1", port)
+    else:
+        addr = None
+    host, port = world.bcast(addr, root=0)
+    store = dist.TCPStore(host, port, size, is_master=(rank == 0), wait_for_workers=True)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+
+    def ulfm(bucket: int, inplace: bool = False):
+        def run(x: torch.Tensor, y: torch.Tensor) -> None:
+            comm.bucket_bytes = bucket  # plan() splits by the current setting
+            if inplace:  # the communicator snapshots each bucket first (its rollback copy)
+                comm.allreduce([y], across="world")
+            else:  # out of place: x stays the local value (the rollback copy), zero-copy
+                comm.allreduce([x], [y], across="world")
+
+        return run
+
+    def gloo(x: torch.Tensor, y: torch.Tensor) -> None:
+        dist.all_reduce(y)
+
+    results = []
+    for size_mb in args.sizes_mb:
+        backends = {"ulfm": ulfm(bucket_bytes), "ulfm_inplace": ulfm(bucket_bytes, inplace=True), "gloo": gloo}
+        if size_mb == max(args.sizes_mb):
+            for b in args.sweep_buckets_mb or []:
+                backends[f"ulfm@{b:g}MB"] = ulfm(int(b * MB))
+        n = int(size_mb * MB) // 4
+        x = torch.full((n,), float(rank + 1), dtype=torch.float32)
+        y = torch.empty_like(x)
+        expect = size * (size + 1) / 2
+
+        def timed(fn) -> float:
+            y.copy_(x)  # gloo and in-place reduce y; out-of-place overwrites it
+            world.Barrier()
+            t0 = time.perf_counter()
+            fn(x, y)
+            dt = time.perf_counter() - t0
+            return world.allreduce(dt, op=MPI.MAX)
+
+        for name, fn in backends.items():  # warm-up, and a correctness check of every path
+            for _ in range(args.warmup):
+                timed(fn)
+            if not (y[0].item() == expect and y[-1].item() == expect and bool((y == expect).all())):
+                raise SystemExit(f"rank {rank}: {name} gave a wrong sum at {size_mb} MiB")
+        times: dict[str, list[float]] = {k: [] for k in backends}
+        order = list(backends)
+        for it in range(iters_for(size_mb, args.iters)):
+            for name in order if it % 2 == 0 else order[::-1]:  # alternate, so drift hits all alike
+                times[name].append(timed(backends[name]))
+        nbytes = n * 4
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            results.append(
+                {
+                    "backend": name,
+                    "ranks": size,
+                    "size_mb": size_mb,
+                    "bytes": nbytes,
+                    "iters": len(ts),
+                    "median_s": med,
+                    "min_s": min(ts),
+                    "max_s": max(ts),
+                    "algbw_GBps": nbytes / med / 1e9,
+                }
+            )
+        del x, y
+    comm.bucket_bytes = bucket_bytes
+    if rank == 0:
+        buckets = len(comm.plan([torch.empty(int(max(args.sizes_mb) * MB) // 4)]).buckets)
+        meta = {"bucket_bytes": bucket_bytes, "buckets_at_max_size": buckets, "mpi": MPI.Get_library_version().strip().splitlines()[0]}
+        args.worker.write_text(json.dumps({"results": results, "meta": meta}))
+    dist.destroy_process_group()
+    comm.shutdown()
+
+
+# ---------------------------------------------------------------------------------- driver
+def run_job(nprocs: int, args: argparse.Namespace, outfile: Path) -> None:
+    cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(nprocs), "--",
+           sys.executable, str(Path(__file__).resolve()), "--worker", str(outfile),
+           "--sizes-mb", *map(str, args.sizes_mb), "--iters", str(args.iters), "--warmup", str(args.warmup)]
+    if args.bucket_mb:
+        cmd += ["--bucket-mb", str(args.bucket_mb)]
+    cmd += ["--sweep-buckets-mb", *map(str, args.sweep_buckets_mb or [])]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise SystemExit(f"benchmark job with {nprocs} ranks timed out after {args.timeout:g}s\n{out[-3000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # reap any rank that outlived mpiexec
+        except ProcessLookupError:
+            pass
+    if proc.returncode != 0 or not outfile.exists():
+        raise SystemExit(f"benchmark job with {nprocs} ranks failed (rc={proc.returncode})\n{out[-4000:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        worker(args)
+        return 0
+    t_start = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    rows: list[dict] = []
+    meta: dict = {}
+    with tempfile.TemporaryDirectory(prefix="lr-bench-") as tmp:
+        for n in args.ranks:
+            outfile = Path(tmp) / f"ranks{n}.json"
+            t0 = time.perf_counter()
+            run_job(n, args, outfile)
+            data = json.loads(outfile.read_text())
+            rows += data["results"]
+            meta = data["meta"]
+            print(f"[bench] {n} ranks done in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+
+    def bw(backend: str, ranks: int, size: float) -> float:
+        return next(r["algbw_GBps"] for r in rows if r["backend"] == backend and r["ranks"] == ranks and r["size_mb"] == size)
+
+    ratios = []
+    for n in args.ranks:
+        for s in args.sizes_mb:
+            g = bw("gloo", n, s)
+            ratios.append({"ranks": n, "size_mb": s, "ulfm_over_gloo": bw("ulfm", n, s) / g,
+                           "ulfm_inplace_over_gloo": bw("ulfm_inplace", n, s) / g})
+
+    print(f"bucket_bytes={meta['bucket_bytes']} ({meta['bucket_bytes'] / MB:g} MiB); cores={os.cpu_count()}; {meta['mpi']}")
+    print("algorithm bandwidth (buffer bytes / median time of the slowest rank), GB/s")
+    header = f"{'ranks':>5} {'size':>7} {'ulfm':>9} {'ulfm-inpl':>10} {'gloo':>9} {'ulfm/gloo':>10} {'inpl/gloo':>10}"
+    print(header)
+    print("-" * len(header))
+    for r in ratios:
+        n, s = r["ranks"], r["size_mb"]
+        print(f"{n:>5} {s:>5g}MB {bw('ulfm', n, s):>9.3f} {bw('ulfm_inplace', n, s):>10.3f} {bw('gloo', n, s):>9.3f}"
+              f" {r['ulfm_over_gloo']:>9.2f}x {r['ulfm_inplace_over_gloo']:>9.2f}x")
+
+    big = max(args.sizes_mb)
+    sweep = [f"ulfm@{b:g}MB" for b in args.sweep_buckets_mb or []]
+    if sweep:
+        print(f"\nbucket-size sweep at {big:g} MB, out-of-place ulfm, GB/s (ratio to gloo in parentheses)")
+        print(f"{'ranks':>5} " + " ".join(f"{name[5:]:>15}" for name in sweep))
+        for n in args.ranks:
+            g = bw("gloo", n, big)
+            print(f"{n:>5} " + " ".join(f"{bw(name, n, big):>7.3f} ({bw(name, n, big) / g:4.2f}x)" for name in sweep))
+    cores = os.cpu_count() or 1
+    load_after = os.getloadavg()[0]
+    if any(n > cores for n in args.ranks):
+        print(f"note: runs with more ranks than the {cores} cores are oversubscribed; expect noise")
+    if load_before > 0.5 * cores:
+        print(f"WARNING: the machine was busy when the benchmark started (1-min load {load_before:.1f} on {cores} cores); "
+              "other processes share the cores, so these numbers are noisy -- rerun on a quiet machine")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "what": "SUM all-reduce of one fp32 buffer; algbw = bytes / median(max over ranks of per-call time)",
+        "ulfm": "FaultTolerantComm.allreduce(across='world'), out-of-place; ulfm_inplace: in place (snapshots each bucket)",
+        "ulfm@<B>MB": "out-of-place FaultTolerantComm.allreduce with bucket_bytes = B MiB (sweep, largest size only)",
+        "gloo": "torch.distributed.all_reduce on a gloo group over the same ranks, in place",
+        "host": {"cores": os.cpu_count(), "loadavg_1min_before": load_before, "loadavg_1min_after": load_after, "machine": platform.machine(), "python": platform.python_version()},
+        "meta": meta,
+        "wall_s": time.perf_counter() - t_start,
+        "results": rows,
+        "ratios": ratios,
+    }, indent=2) + "\n")
+    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    parts = [f"{r['ulfm_over_gloo']:.2f}x ({r['ranks']} ranks)" for r in ratios if r["size_mb"] == big]
+    print(f"ratio ulfm/gloo bandwidth at {big:g} MB: " + ", ".join(parts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
