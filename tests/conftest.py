@@ -1,4 +1,7 @@
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+# mpirun.py (the launcher harness) and the worker modules are imported by the tests.
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "workers"))
