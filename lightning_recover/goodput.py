@@ -352,7 +352,7 @@ def simulate_checkpoint_restart(
                 failures += 1
             restarts += min(y, wall - t)
             t += y
-    return CheckpointRestartRun(work / wall, failures, checkpoints, restarts, lost)
+    return CheckpointRestartRun(min(1.0, work / wall), failures, checkpoints, restarts, lost)
 
 
 @dataclass(frozen=True)
@@ -441,11 +441,11 @@ def simulate_replicas(
             next_fail = t + _expo(rng, fail_mean)
         rate = scale * throughput(alive, w)
     return ReplicaRun(
-        goodput=work / wall,
+        goodput=min(1.0, work / wall),  # min: float rounding of the summed intervals
         failures=failures,
         rejoins=rejoins,
         paused_s=paused,
-        batch_fraction_mean=(frac_time / running / w) if running else 1.0,
+        batch_fraction_mean=min(1.0, frac_time / running / w) if running else 1.0,
         batch_fraction_min=min_alive / w,
         full_batch_share=(full_time / running) if running else 1.0,
     )
