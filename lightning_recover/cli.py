@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -19,14 +20,27 @@ def _launch(argv: list[str]) -> int:
         type=float,
         default=None,
         metavar="SECONDS",
-        help="turn on the ULFM failure detector: a rank silent this long is declared dead",
+        help="a rank silent this long is declared dead, killed and its replica removed. Sets "
+        "LIGHTNING_RECOVER_HANG_TIMEOUT for the strategy's heartbeat watchdog (default 10 s, 0 = off)",
+    )
+    parser.add_argument(
+        "--mpi-detector",
+        action="store_true",
+        help="also turn on Open MPI's ULFM failure detector (thread) with --hang-timeout; needed when a "
+        "node runs a single rank, but seen to crash at start-up beside torch in Open MPI 5.0.11",
     )
     parser.add_argument("--mpi-arg", action="append", default=[], help="extra argument passed to mpiexec (repeatable)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.hang_timeout is not None:
+        if args.hang_timeout < 0:
+            print(f"lightning-recover launch: --hang-timeout must be >= 0 seconds, got {args.hang_timeout:g}", file=sys.stderr)
+            return 2
+        os.environ["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{args.hang_timeout:g}"
+    detector = args.hang_timeout if args.mpi_detector and args.hang_timeout else None
     try:
-        exec_launch(args.nprocs, command, hang_timeout=args.hang_timeout, extra=args.mpi_arg)
+        exec_launch(args.nprocs, command, hang_timeout=detector, extra=args.mpi_arg)
     except (ValueError, FileNotFoundError) as exc:
         print(f"lightning-recover launch: {exc}", file=sys.stderr)
         return 2

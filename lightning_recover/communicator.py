@@ -33,14 +33,21 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import mpi4py
 import numpy as np
 import torch
-from mpi4py import MPI
+
+# ULFM's MPI_Finalize can block forever after a peer failure or while the failure
+# detector's thread runs; survivors leave with their own exit status instead. Only takes
+# effect if mpi4py.MPI was not imported earlier (the launcher also sets MPI4PY_RC_FINALIZE).
+mpi4py.rc.finalize = False
+from mpi4py import MPI  # noqa: E402
 
 from lightning_recover.topology import RankLayout
 
@@ -197,6 +204,8 @@ class FaultTolerantComm:
         self.world.Set_errhandler(MPI.ERRORS_RETURN)
         self.shard_comm = self._split_shard(self.world)
         self.alive_replicas: tuple[int, ...] = tuple(range(layout.replicas))
+        # Where every rank runs, so a rank declared dead while merely hung can be fenced off.
+        self._procs: list[tuple[str, int]] = self.world.allgather((socket.gethostname(), os.getpid()))
         self.lost_ranks: tuple[int, ...] = ()
         self.cuda_aware = False  # Open MPI's pip build reports no CUDA support; stage via host
         #: Called with a point name ("repair:shrunk", ...) -- the hook fault injection uses.
@@ -472,8 +481,23 @@ class FaultTolerantComm:
             self.lost_ranks = tuple(sorted(set(self.lost_ranks) | set(lost)))
             lost_replicas = tuple(sorted(self.layout.replicas_touched(lost)))
             self.alive_replicas = tuple(self.layout.complete_replicas(now))
+            # Fence only ranks MPI declared dead; a live partner of an incomplete replica
+            # leaves through the gate on its own.
+            self._fence(sorted(before - set(present)))
             return RepairResult(self.epoch, lost, lost_replicas, self.alive_replicas, time.perf_counter() - t0, rounds)
         raise RuntimeError(f"repair did not converge in {max_rounds} rounds; the job cannot continue")
+
+    def _fence(self, lost: Sequence[int]) -> None:
+        """SIGKILL lost ranks on this host: one the failure detector declared dead may only be
+        hung (SIGSTOP, stuck in compute) and must never come back as a zombie member."""
+        host = socket.gethostname()
+        for r in lost:
+            h, pid = self._procs[r]
+            if h == host and pid != os.getpid():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def shutdown(self, exit_code: int | None = None) -> None:
         """End of job: agree with the survivors (nobody leaves while a peer still needs it), free.

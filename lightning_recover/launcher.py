@@ -66,8 +66,15 @@ def build_command(
 
 
 def launch_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment for mpiexec: run-as-root consent when root, one thread per rank by default."""
+    """Environment for mpiexec: run-as-root consent when root, one thread per rank by default,
+    and no ``MPI_Finalize`` at exit.
+
+    With ULFM, finalize can block forever: after a peer failure, and always while the
+    failure detector's thread runs. Each rank leaves with its own exit status instead,
+    which the fault-tolerant runtime accepts.
+    """
     env = dict(os.environ if base is None else base)
+    env.setdefault("MPI4PY_RC_FINALIZE", "false")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
         env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")

@@ -161,6 +161,7 @@ def test_launch_runs_two_real_ranks_and_prints_the_command() -> None:
     argv = shlex.split(printed[0][len("[lightning-recover] "):])
     assert argv[1:5] == ["--with-ft", "ulfm", "-n", "2"]
     assert argv[-3:] == [sys.executable, "-c", probe]
+    assert "mpi_ft_detector" not in argv  # the ULFM detector only on request (--mpi-detector)
 
 
 @pytest.mark.mpi
@@ -176,9 +177,9 @@ def test_launch_errors_exit_2() -> None:
     res = _cli("launch", "-n", "2")
     assert res.returncode == 2
     assert "no command given" in res.stderr
-    res = _cli("launch", "-n", "2", "--hang-timeout", "0", "--", "true")
+    res = _cli("launch", "-n", "2", "--hang-timeout", "-1", "--", "true")
     assert res.returncode == 2
-    assert "--hang-timeout must be > 0" in res.stderr
+    assert "--hang-timeout must be >= 0 seconds, got -1" in res.stderr
 
 
 def test_launch_requires_n(capsys: pytest.CaptureFixture) -> None:

@@ -142,3 +142,13 @@ def test_adaptive_policy_departs_from_fault_free(tmp_path: Path, fault_free: dic
     assert deviation > 1e-3, f"AdaptiveWorld should change the trajectory; max relative deviation {deviation:.2e}"
     verdict = check_ledger(job.outdir / "ledger.jsonl", reference=str(fault_free["4x1"].outdir / "ledger.jsonl"))
     assert not verdict.ok
+
+
+def test_hung_rank_is_detected_killed_and_removed(tmp_path: Path, fault_free: dict[str, MPIJob]) -> None:
+    argv = [WORKER, "--steps", str(STEPS), "--faults", json.dumps([{"step": 1, "rank": 2, "phase": "backward", "kind": "hang"}])]
+    job = run_mpi(4, argv, tmp_path, timeout=240, hang_timeout=4)
+    ledger = check_recovered_run(job, fault_free["4x1"], expect_faults=1)
+    assert "killing rank 2" in job.stderr, job.describe()
+    assert ledger[1]["faults"] == [2]
+    # Reported, not asserted against a clock: the survivors' wait in the reduce.
+    print(f"hang detected after {ledger[1]['detect_s']:.2f}s (watchdog timeout 4 s)")

@@ -55,6 +55,7 @@ from lightning_recover.ledger import LedgerWriter, read_ledger
 from lightning_recover.planner import MicrobatchPlanner
 from lightning_recover.policy import POLICY_NAMES, ReplicaPlan, StepPlan, WorkloadPolicy, make_policy
 from lightning_recover.topology import RankLayout
+from lightning_recover.watchdog import HangWatchdog, default_hang_timeout
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         ledger_path: JSON-lines step ledger written by the current leader (None: no ledger).
         seed: seeds the sample order and the per-microbatch RNG.
         timeout_s: timeout of the replica-local process group.
+        hang_timeout_s: a rank whose heartbeat stops this long is killed and its replica
+            removed (:mod:`lightning_recover.watchdog`); default: the launcher's
+            ``--hang-timeout``, else 10 s. ``0`` turns hang detection off.
+        stuck_timeout_s: also kill a rank that makes no progress (microbatch, bucket) for
+            this long outside a collective; off by default, set it above your slowest microbatch.
     """
 
     strategy_name = "recover_hsdp"
@@ -167,6 +173,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         ledger_path: str | os.PathLike[str] | None = None,
         seed: int = 0,
         timeout_s: float = 60.0,
+        hang_timeout_s: float | None = None,
+        stuck_timeout_s: float | None = None,
     ) -> None:
         super().__init__(cluster_environment=ReplicaEnvironment())
         if not isinstance(shards, int) or shards < 1:
@@ -186,6 +194,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.ledger_path = os.fspath(ledger_path) if ledger_path is not None else None
         self.seed = seed
         self.timeout_s = timeout_s
+        self.hang_timeout_s = default_hang_timeout() if hang_timeout_s is None else (hang_timeout_s or None)
+        self.stuck_timeout_s = stuck_timeout_s
+        self.watchdog: HangWatchdog | None = None
 
         self.comm: FaultTolerantComm | None = None
         self.layout: RankLayout | None = None
@@ -206,6 +217,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._step_t0 = 0.0
         self._step_faults: list[int] = []
         self._recovery_s = 0.0
+        self._detect_s = 0.0
         self._pauses: list[float] = []
         self.faults_seen = 0
         self.last_record: dict[str, Any] | None = None
@@ -271,6 +283,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.policy = make_policy(
             self.policy_name, self.layout.replicas, self.grad_accum, T=self.target_replicas, min_replicas=self.min_replicas
         )
+        if self.hang_timeout_s:
+            self.watchdog = HangWatchdog(self.comm.rank, self.hang_timeout_s, stuck_timeout=self.stuck_timeout_s).start()
         self._init_replica_group()
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
         super().setup_environment()
@@ -415,7 +429,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._step_t0 = time.perf_counter()
         self._plan = self.policy.begin_step(self._step, self.comm.alive_replicas)
         self._computed, self._losses, self._mb_counter = [], {}, 0
-        self._step_faults, self._recovery_s, self._pauses = [], 0.0, []
+        self._step_faults, self._recovery_s, self._pauses, self._detect_s = [], 0.0, [], 0.0
         self._boundary.begin_step()
         self._epoch_check.begin_step()
 
@@ -427,6 +441,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         """Forward of one microbatch (step-local id ``offset``) with its own RNG stream."""
         assert self.planner is not None and self.comm is not None
         self._inject("forward", microbatch=self._mb_counter)
+        self._tick()
         gid = self.planner.global_id(self._step, offset)
         torch.manual_seed(self.planner.rng_seed(gid, self.comm.shard))
         batch = self._fetch(offset)
@@ -441,6 +456,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         self._inject("backward", microbatch=self._mb_counter)
+        self._tick()
         self._mb_counter += 1
         with self._replica_guard("backward"):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -485,6 +501,12 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         """Reduce, agree, and on failure repair + recompute until one membership commits. Returns the divisor."""
         assert self.comm is not None and self.policy is not None and self._plan is not None
         comm = self.comm
+        with self._collective():
+            return self._reduce_loop(optimizer)
+
+    def _reduce_loop(self, optimizer: Optimizer) -> int:
+        assert self.comm is not None and self.policy is not None and self._plan is not None
+        comm = self.comm
         local = self._local_grads()
         out = self._snapshot.buffers(local)
         handle = comm.plan(local)
@@ -497,11 +519,14 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
                 [sum(self._losses[i] for i in mine.ids) if mine.contributes else 0.0, len(mine.ids) if mine.contributes else 0],
                 dtype=torch.float64,
             )
+            t_attempt = time.perf_counter()
             try:
-                comm.allreduce(sent, out, handle=handle, on_bucket=lambda b: self._inject("reduce", bucket=b))
+                comm.allreduce(sent, out, handle=handle, on_bucket=self._on_bucket)
                 comm.allreduce([loss_in], [loss_out], across="world")
                 ok = True
             except PeerFailure as exc:
+                # Time blocked in the failed attempt: bounds the detection time of a hung peer.
+                self._detect_s += time.perf_counter() - t_attempt
                 log.warning("step %d: %s", self._step, exc)
                 ok = False
             if comm.agree(ok):
@@ -518,6 +543,26 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._step_loss = float(loss_out[0]) / max(1.0, float(loss_out[1]))
         self._snapshot.commit(local, self._plan.divisor * self.shards)
         return self._plan.divisor
+
+    def _on_bucket(self, bucket: int) -> None:
+        self._inject("reduce", bucket=bucket)
+        self._tick()
+
+    def _tick(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.tick()
+
+    @contextmanager
+    def _collective(self) -> Iterator[None]:
+        """Waiting on peers is not being stuck: the watchdog's progress rule pauses meanwhile."""
+        if self.watchdog is None:
+            yield
+            return
+        self.watchdog.in_collective = True
+        try:
+            yield
+        finally:
+            self.watchdog.in_collective = False
 
     def _recover(self, handle: Any, optimizer: Optimizer) -> None:
         """Repair the world, let the policy re-plan, and compute this replica's extra microbatches."""
@@ -557,6 +602,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             step_time_s=time.perf_counter() - self._step_t0,
             recovery_s=self._recovery_s,
             pauses_s=self._pauses,
+            detect_s=self._detect_s,
             stale_buckets=self._epoch_check.stale_redone,
             policy=self.policy_name,
             divisor=divisor,
@@ -664,6 +710,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         """End of job for launched scripts: agree with survivors, then leave (see FaultTolerantComm.shutdown)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.comm is not None:
+            with self._collective():
+                self.comm.agree(True)
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.comm is not None:
             self.comm.shutdown(exit_code)
 
