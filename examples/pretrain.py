@@ -1,0 +1,524 @@
+"""Fault-tolerant GPT pre-training with lightning-recover, configured by Hydra.
+
+Run it under the launcher (ULFM must be switched on when the job starts)::
+
+    lightning-recover launch -n 4 -- python examples/pretrain.py model=tiny trainer.max_steps=6 \\
+        'fault.schedule=[{step:3,rank:2,phase:backward,kind:kill}]' hydra.run.dir=runs/demo
+
+A single process (``python examples/pretrain.py ...``) runs too: an MPI singleton, world size 1.
+Configuration lives in ``examples/conf/`` (groups ``model``, ``data``, ``recover``, ``fault``,
+``trainer``). Everything a run writes goes to the run directory (``hydra.run.dir``), shared
+by all ranks: ``ledger.jsonl`` (one line per committed step), ``logs/version_N/metrics.csv``
+(and TensorBoard events when ``tensorboard`` is installed), ``.hydra/`` and ``pretrain.log``.
+
+Bad settings stop the job before the first step with exit code 2 and one line on stderr
+(``pretrain.py: error: ...``) naming the value and the fix. Set ``LR_TRACEBACK=1`` to get
+the full traceback instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, NoReturn
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+# Light imports only: configuration mistakes are reported before torch and Lightning load
+# (seconds per rank). Heavy modules are imported in train().
+from lightning_recover.policy import POLICY_NAMES
+
+EXAMPLES = Path(__file__).resolve().parent
+sys.path.insert(0, str(EXAMPLES))
+
+# The fields of examples/model.py's GPTConfig (checked against it by tests/test_pretrain.py).
+MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "lr", "weight_decay", "warmup_steps")
+
+PROG = "pretrain.py"
+# Lightning precision values that mean fp16 autocast with a GradScaler.
+FP16_WITH_SCALER = ("16-mixed", "16", "16-mixed-precision")
+
+
+class UsageError(ValueError):
+    """A setting pretrain.py refuses before training; the message names the value and the fix."""
+
+
+# ---------------------------------------------------------------------- launch environment
+def env_rank() -> int:
+    """This process's world rank as the launcher set it (0 for a single process)."""
+    return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "0")))
+
+
+def env_world_size() -> int:
+    return int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
+
+
+_STAMP: str | None = None
+
+
+def run_stamp() -> str:
+    """``YYYY-MM-DD/HH-MM-SS`` of rank 0's start, the same on every rank (hydra.run.dir default).
+
+    Ranks import torch at different speeds, so their own clocks would name different
+    directories; rank 0's stamp is broadcast once. ``LR_RUN_STAMP`` overrides it.
+    """
+    global _STAMP
+    if _STAMP is None:
+        stamp = os.environ.get("LR_RUN_STAMP") or time.strftime("%Y-%m-%d/%H-%M-%S")
+        if "LR_RUN_STAMP" not in os.environ and env_world_size() > 1:
+            import mpi4py
+
+            mpi4py.rc.finalize = False  # as lightning_recover.communicator: never block in MPI_Finalize
+            from mpi4py import MPI
+
+            stamp = MPI.COMM_WORLD.bcast(stamp, root=0)
+        _STAMP = stamp
+    return _STAMP
+
+
+def on_leader(value: Any) -> Any:
+    """``value`` on rank 0, None elsewhere (only the leader writes Hydra's .hydra/ files)."""
+    return value if env_rank() == 0 else None
+
+
+OmegaConf.register_new_resolver("run_stamp", run_stamp, replace=True)
+OmegaConf.register_new_resolver("on_leader", on_leader, replace=True)
+
+
+# ---------------------------------------------------------------------- validation
+def _int(name: str, value: Any, minimum: int, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"{name}={value!r} is not an integer; {fix}")
+    if value < minimum:
+        raise UsageError(f"{name}={value!r} must be >= {minimum}; {fix}")
+    return value
+
+
+def _positive(name: str, value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise UsageError(f"{name}={value!r} must be a positive number ({what})")
+    return float(value)
+
+
+def check_ledger_path(path: str | None) -> None:
+    """Refuse a ledger path the leader could not write, by a test-write (removed again)."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(
+            f"recover.ledger_path={path!r} is a directory; give a file path such as {os.path.join(path, 'ledger.jsonl')!r}"
+        )
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        existed = p.exists()
+        with open(p, "a", encoding="utf-8"):
+            pass
+        if not existed:
+            p.unlink(missing_ok=True)
+    except OSError as exc:
+        blocker = next((a for a in p.parents if a.exists()), None)
+        why = f"{str(blocker)!r} is not a directory" if blocker is not None and not blocker.is_dir() else (exc.strerror or str(exc))
+        raise UsageError(
+            f"recover.ledger_path={path!r} is not writable ({why}); "
+            "set recover.ledger_path to a file in a writable directory (or null for no ledger)"
+        ) from None
+
+
+def validate(cfg: DictConfig, world_size: int | None = None) -> None:
+    """The configuration checks that need neither torch nor MPI (the fault schedule is parsed later).
+
+    ``world_size`` defaults to the launcher's (1 for a single process). What only the live
+    job can tell (ULFM on, dataset size vs. B, Trainer and precision settings) is checked by
+    ReCoVerHSDPStrategy during ``trainer.fit`` setup, still before the first step.
+    """
+    world = env_world_size() if world_size is None else world_size
+    _int("seed", cfg.seed, 0, "set seed to a non-negative integer")
+
+    unknown = sorted(set(cfg.model) - set(MODEL_FIELDS) - {"name"})
+    if unknown:
+        raise UsageError(f"model.{unknown[0]} is not a model setting; known: {', '.join(MODEL_FIELDS)}")
+    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        _int(f"model.{key}", cfg.model[key], 1, f"set model.{key} to a positive integer")
+    if cfg.model.n_embd % cfg.model.n_head:
+        raise UsageError(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}; change one of them")
+    dropout = cfg.model.dropout
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise UsageError(f"model.dropout={dropout!r} must be a number in [0, 1)")
+    _positive("model.lr", cfg.model.lr, "the peak learning rate")
+
+    corpus = cfg.data.corpus
+    if corpus is not None and not Path(str(corpus)).exists():
+        raise UsageError(
+            f"data.corpus={str(corpus)!r} does not exist; set data.corpus to a text file or a directory of text "
+            "files, or data.corpus=null for the Python standard library"
+        )
+    _int("data.max_bytes", cfg.data.max_bytes, 2, "set data.max_bytes to the number of corpus bytes to read")
+    _int("data.microbatch_size", cfg.data.microbatch_size, 1, "set data.microbatch_size to a positive integer")
+
+    r = cfg.recover
+    if r.policy not in POLICY_NAMES:
+        raise UsageError(f"recover.policy={r.policy!r} is unknown; use " + " or ".join(f"recover.policy={p}" for p in POLICY_NAMES))
+    _int("recover.grad_accum", r.grad_accum, 1, "set recover.grad_accum to a positive integer (microbatches per replica per step)")
+    shards = _int("recover.shards", r.shards, 1, "set recover.shards to the ranks per replica (a divisor of the world size)")
+    if world % shards:
+        raise UsageError(
+            f"recover.shards={shards} does not divide the world size {world}; launch a multiple of {shards} ranks "
+            f"(lightning-recover launch -n ...) or set recover.shards to a divisor of {world}"
+        )
+    replicas = world // shards
+    if r.target_replicas is not None:
+        target = _int("recover.target_replicas", r.target_replicas, 1, "set recover.target_replicas to 1..replicas, or null for all")
+        if target > replicas:
+            raise UsageError(
+                f"recover.target_replicas={target} but the job has {replicas} replica(s) ({world} ranks / {shards} shards); "
+                f"set recover.target_replicas <= {replicas} (null = all) or launch more ranks"
+            )
+        if r.policy == "adaptive" and target != replicas:
+            raise UsageError(
+                f"recover.target_replicas={target} with recover.policy=adaptive: the adaptive policy has no spares; "
+                "set recover.target_replicas=null"
+            )
+    min_replicas = _int("recover.min_replicas", r.min_replicas, 1, "set recover.min_replicas to a positive integer")
+    if min_replicas > replicas:
+        raise UsageError(f"recover.min_replicas={min_replicas} but the job has {replicas} replica(s); lower it or launch more ranks")
+    _positive("recover.bucket_mb", r.bucket_mb, "MiB per gradient bucket")
+    _positive("recover.timeout_s", r.timeout_s, "seconds")
+    check_ledger_path(None if r.ledger_path is None else str(r.ledger_path))
+
+    max_steps = cfg.trainer.get("max_steps", -1)
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or not (max_steps == -1 or max_steps >= 1):
+        raise UsageError(f"trainer.max_steps={max_steps!r} must be a positive integer (or -1 to train by epochs)")
+    precision = cfg.trainer.get("precision", "32-true")
+    if str(precision) in FP16_WITH_SCALER:
+        raise UsageError(
+            f"trainer.precision={precision!r} trains fp16 with a GradScaler, whose skipped steps would desynchronise "
+            "the replicas; use trainer.precision=bf16-mixed or trainer.precision=32-true"
+        )
+    accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
+    if accumulate != 1:
+        raise UsageError(
+            f"trainer.accumulate_grad_batches={accumulate!r}: the strategy accumulates itself; "
+            "leave trainer.accumulate_grad_batches=1 and set recover.grad_accum instead"
+        )
+    raw = cfg.fault.get("schedule", None)
+    if raw is not None and not isinstance(raw, ListConfig):
+        raise UsageError(
+            f"fault.schedule={raw!r} is not a list; write it as "
+            "'fault.schedule=[{step:3,rank:2,phase:backward,kind:kill}]' (or [] for no faults)"
+        )
+
+
+def fault_schedule(cfg: DictConfig, world_size: int | None = None) -> list[Any]:
+    """``fault.schedule`` parsed by FaultSpec.parse (imports Lightning), ranks checked against the world."""
+    from lightning_recover.callbacks.fault_injection import FaultSpec
+
+    world = env_world_size() if world_size is None else world_size
+    entries = OmegaConf.to_container(cfg.fault.schedule, resolve=True) if cfg.fault.get("schedule") is not None else []
+    specs = []
+    for i, entry in enumerate(entries):  # type: ignore[arg-type]
+        try:
+            specs.append(FaultSpec.parse(entry, i))  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise UsageError(f"{exc}; format: 'fault.schedule=[{{step:3,rank:2,phase:backward,kind:kill}}]'") from None
+    for i, spec in enumerate(specs):
+        if spec.rank >= world:
+            raise UsageError(
+                f"fault.schedule[{i}].rank={spec.rank} but the job has {world} rank(s) (0..{world - 1}); "
+                "pick an existing rank or launch more ranks"
+            )
+    max_steps = cfg.trainer.get("max_steps", -1)
+    if max_steps > 0 and env_rank() == 0:
+        for i, spec in enumerate(specs):
+            if spec.step >= max_steps:
+                print(
+                    f"{PROG}: warning: fault.schedule[{i}].step={spec.step} is not below trainer.max_steps={max_steps}; "
+                    "it will not fire",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return specs
+
+
+# ---------------------------------------------------------------------- building blocks
+def build_model(cfg: DictConfig) -> Any:
+    """The GPT of ``cfg.model``, seeded first: every replica must start from the same weights."""
+    import lightning as L
+    from model import GPT, GPTConfig
+
+    L.seed_everything(cfg.seed, verbose=False)
+    fields = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if k != "name"}  # type: ignore[union-attr]
+    return GPT(GPTConfig(**fields))
+
+
+def build_data(cfg: DictConfig) -> Any:
+    """Map-style byte windows of the corpus (the strategy fetches microbatches by id)."""
+    from model import ByteDataset, read_corpus
+
+    corpus = None if cfg.data.corpus is None else str(cfg.data.corpus)
+    data = read_corpus(corpus, max_bytes=cfg.data.max_bytes)
+    window = cfg.model.block_size + 1
+    if len(data) < window:
+        raise UsageError(
+            f"data: the corpus gives {len(data)} bytes, fewer than one sample of model.block_size+1 = {window}; "
+            "raise data.max_bytes or use a larger data.corpus"
+        )
+    return ByteDataset(data, cfg.model.block_size)
+
+
+def check_dataset_size(cfg: DictConfig, samples: int, world_size: int | None = None) -> None:
+    """One optimizer step reads B * microbatch_size * shards samples (B = T * G_init)."""
+    world = env_world_size() if world_size is None else world_size
+    r = cfg.recover
+    T = r.target_replicas if r.target_replicas is not None else world // r.shards
+    B = T * r.grad_accum
+    need = B * cfg.data.microbatch_size * r.shards
+    if samples < need:
+        raise UsageError(
+            f"data: the corpus gives {samples} samples but one step needs B*microbatch_size*shards = "
+            f"{B}*{cfg.data.microbatch_size}*{r.shards} = {need}; raise data.max_bytes (or use a larger data.corpus), "
+            "or lower data.microbatch_size, recover.grad_accum or recover.target_replicas"
+        )
+
+
+def build_strategy(cfg: DictConfig) -> Any:
+    from lightning_recover.strategies import ReCoVerHSDPStrategy
+
+    r = cfg.recover
+    return ReCoVerHSDPStrategy(
+        shards=r.shards,
+        grad_accum=r.grad_accum,
+        target_replicas=r.target_replicas,
+        policy=r.policy,
+        min_replicas=r.min_replicas,
+        bucket_mb=float(r.bucket_mb),
+        ledger_path=None if r.ledger_path is None else str(r.ledger_path),
+        seed=cfg.seed,
+        timeout_s=float(r.timeout_s),
+    )
+
+
+def build_loggers(run_dir: Path) -> list[Any]:
+    """CSV always; TensorBoard too when it is installed."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    loggers: list[Any] = [CSVLogger(run_dir, name="logs")]
+    if importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers.append(TensorBoardLogger(run_dir, name="tb"))
+    return loggers
+
+
+@functools.cache
+def callback_classes() -> tuple[type, type]:
+    """``(FirstStep, StepMetrics)``, defined on first use so that importing this file stays light."""
+    from lightning.pytorch.callbacks import Callback
+    from torchmetrics.aggregation import RunningMean, SumMetric
+
+    class FirstStep(Callback):
+        """Notes when the first optimizer step begins: errors before it are configuration errors."""
+
+        def __init__(self) -> None:
+            self.started = False
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.started = True
+
+    class StepMetrics(Callback):
+        """Per committed step, from the strategy's ``last_record``: perplexity and tokens/s.
+
+        ``ppl`` = exp(committed step loss, the mean over the step's B microbatches);
+        ``ppl_avg`` = exp(running mean over ``window`` steps). Tokens of a step = committed
+        microbatches x microbatch_size x shards x block_size, so throughput counts only work
+        that reached the optimizer (a spare's shadow work and recomputation after a failure
+        are overhead); ``tokens_per_s`` uses the step's wall time, recovery included.
+        torchmetrics keeps the running aggregates.
+        """
+
+        def __init__(self, tokens_per_microbatch: int, window: int = 10) -> None:
+            self.tokens_per_microbatch = tokens_per_microbatch
+            self.loss_window = RunningMean(window=window)
+            self.tokens = SumMetric()
+            self.seconds = SumMetric()
+            self._last_step: int | None = None
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            rec = getattr(trainer.strategy, "last_record", None)
+            if not rec or rec.get("step") == self._last_step:
+                return
+            self._last_step = rec["step"]
+            loss = float(rec["loss"])
+            tokens = int(rec["committed"]) * self.tokens_per_microbatch
+            step_time = max(float(rec["step_time_s"]), 1e-9)
+            self.loss_window.update(loss)
+            self.tokens.update(float(tokens))
+            self.seconds.update(step_time)
+            metrics = {
+                "ppl": math.exp(min(loss, 50.0)),
+                "ppl_avg": math.exp(min(float(self.loss_window.compute()), 50.0)),
+                "tokens_per_s": tokens / step_time,
+                "tokens_per_s_avg": float(self.tokens.compute()) / float(self.seconds.compute()),
+                "tokens": float(self.tokens.compute()),
+                "recovery_s": float(rec.get("recovery_s", 0.0)),
+            }
+            for name, value in metrics.items():
+                pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name in ("ppl", "tokens_per_s"), rank_zero_only=True)
+
+    return FirstStep, StepMetrics
+
+
+def build_trainer(cfg: DictConfig, strategy: Any, callbacks: list[Any], run_dir: Path) -> Any:
+    import lightning as L
+
+    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    assert isinstance(kwargs, dict)
+    return L.Trainer(strategy=strategy, callbacks=callbacks, logger=build_loggers(run_dir), default_root_dir=str(run_dir), **kwargs)
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    """Hydra's run directory (hydra.run.dir), shared by all ranks; the cwd without a Hydra run."""
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path.cwd()
+
+
+def route_lightning_logs() -> None:
+    """Lightning's messages go through Hydra's logging (console + pretrain.log) once, not twice.
+
+    ``import lightning`` attaches its own console handler to the "lightning" logger; when
+    Hydra has already configured the root logger, every message would print twice.
+    """
+    import lightning  # noqa: F401
+
+    if logging.getLogger().handlers:
+        logging.getLogger("lightning").handlers.clear()
+
+
+# ---------------------------------------------------------------------- exits
+def _leave(strategy: Any, code: int) -> NoReturn:
+    """Exit. Once the strategy's communicator exists, through its shutdown (never hangs in MPI_Finalize)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if strategy is not None and getattr(strategy, "comm", None) is not None:
+        strategy.shutdown(exit_code=code)
+    if env_world_size() > 1:
+        os._exit(code)
+    sys.exit(code)
+
+
+def _all_ranks_here(timeout_s: float = 15.0) -> bool:
+    """Barrier over the launched job (bounded): no rank exits before the leader has printed.
+
+    Open MPI ends the whole job as soon as one rank exits non-zero, which could kill rank 0
+    before its message is out. False when the other ranks did not arrive in time.
+    """
+    import mpi4py
+
+    mpi4py.rc.finalize = False  # only if MPI was not imported yet; never block in MPI_Finalize
+    from mpi4py import MPI
+
+    req = MPI.COMM_WORLD.Ibarrier()
+    deadline = time.monotonic() + timeout_s
+    while not req.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def usage_exit(message: str, strategy: Any = None) -> NoReturn:
+    """One line on stderr (from rank 0 of a launched job), exit code 2 on every rank."""
+    line = f"{PROG}: error: {' '.join(message.split())}"
+    leader = env_rank() == 0
+    if leader:
+        print(line, file=sys.stderr, flush=True)
+    if env_world_size() > 1:
+        if not _all_ranks_here() and not leader:
+            print(f"{line} (rank {env_rank()})", file=sys.stderr, flush=True)
+        _leave(None, 2)
+    _leave(strategy, 2)
+
+
+def _is_ulfm_error(exc: BaseException) -> bool:
+    return any(t.__name__ == "ULFMUnavailableError" for t in type(exc).__mro__)
+
+
+# ---------------------------------------------------------------------- main
+def train(cfg: DictConfig) -> None:
+    """Validate, build, fit, print the leader's summary, and leave through strategy.shutdown."""
+    strategy: Any = None
+    first: Any = None
+    try:
+        validate(cfg)
+        specs = fault_schedule(cfg)  # imports Lightning
+        import torch  # noqa: F401  (loaded here, after the cheap checks)
+        from torch.utils.data import DataLoader
+
+        from lightning_recover.callbacks import FaultInjection
+
+        route_lightning_logs()
+        warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        FirstStep, StepMetrics = callback_classes()
+        first = FirstStep()
+        run_dir = run_dir_of(cfg)
+        model = build_model(cfg)
+        dataset = build_data(cfg)
+        if hasattr(dataset, "__len__"):
+            check_dataset_size(cfg, len(dataset))
+        loader = DataLoader(dataset, batch_size=cfg.data.microbatch_size, shuffle=False)
+        strategy = build_strategy(cfg)
+        tokens_per_mb = cfg.data.microbatch_size * cfg.recover.shards * cfg.model.block_size
+        trainer = build_trainer(cfg, strategy, [first, FaultInjection(specs), StepMetrics(tokens_per_mb)], run_dir)
+        trainer.fit(model, loader)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        if not (first is not None and first.started) and not os.environ.get("LR_TRACEBACK"):
+            if _is_ulfm_error(exc):
+                usage_exit(
+                    "this launch has no MPI fault tolerance (ULFM); start the job with "
+                    "'lightning-recover launch -n N -- python examples/pretrain.py ...' (or 'mpiexec --with-ft ulfm')",
+                    strategy,
+                )
+            if isinstance(exc, (ValueError, FileNotFoundError)):
+                usage_exit(str(exc), strategy)
+        traceback.print_exc()
+        # A rank that fails mid-run must not wait in MPI_Finalize for peers that are still training.
+        _leave(None, 1)
+
+    if strategy.global_rank == 0:
+        print(summary_line(cfg, strategy, trainer.global_step), flush=True)
+    strategy.shutdown(exit_code=0)
+
+
+def summary_line(cfg: DictConfig, strategy: Any, steps: int) -> str:
+    record = strategy.last_record or {}
+    loss = float(record.get("loss", float("nan")))
+    comm = strategy.comm
+    alive = len(comm.alive_replicas) if comm is not None else 1
+    total = comm.layout.replicas if comm is not None else 1
+    return (
+        f"{PROG}: done: {steps} steps, final loss {loss:.4f} (ppl {math.exp(min(loss, 50.0)):.2f}), B={record.get('B')}, "
+        f"faults {strategy.faults_seen}, live replicas {alive}/{total}, world epoch {record.get('world_epoch', 0)}, "
+        f"ledger {cfg.recover.ledger_path}"
+    )
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()
