@@ -179,8 +179,10 @@ def test_ledger_path_test_write_leaves_nothing(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- exit code 2, one line
 ITERABLE_DRIVER = """
+import os
 import sys
 sys.path.insert(0, {examples!r})
+os.chdir({workdir!r})  # without a Hydra run, the run directory is the cwd
 import pretrain
 from hydra import compose, initialize_config_dir
 from torch.utils.data import IterableDataset
@@ -230,7 +232,10 @@ def bad_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
         args = [o.replace("{tmp}", str(tmp)) for o in overrides]
         cmds[name] = [sys.executable, SCRIPT, *args, f"hydra.run.dir={tmp / name}"]
     driver = tmp / "iterable_driver.py"
-    driver.write_text(ITERABLE_DRIVER.format(examples=str(EXAMPLES), conf=str(CONF), ledger=str(tmp / "it" / "ledger.jsonl")))
+    (tmp / "it").mkdir()
+    driver.write_text(
+        ITERABLE_DRIVER.format(examples=str(EXAMPLES), conf=str(CONF), workdir=str(tmp / "it"), ledger=str(tmp / "it" / "ledger.jsonl"))
+    )
     cmds["iterable"] = [sys.executable, str(driver)]
     # Plain mpiexec, without --with-ft ulfm: the job must refuse to start.
     from lightning_recover.launcher import find_mpiexec, launch_env
