@@ -152,3 +152,27 @@ def test_hung_rank_is_detected_killed_and_removed(tmp_path: Path, fault_free: di
     assert ledger[1]["faults"] == [2]
     # Reported, not asserted against a clock: the survivors' wait in the reduce.
     print(f"hang detected after {ledger[1]['detect_s']:.2f}s (watchdog timeout 4 s)")
+
+
+def test_checkpoint_fallback_and_resume_on_fewer_replicas(tmp_path: Path) -> None:
+    from reference import reference_run
+
+    ckpt = tmp_path / "ckpt"
+    common = ["--steps", "8", "--ckpt-dir", str(ckpt), "--ckpt-every", "2"]
+    faults = [{"step": 3, "rank": 1, "phase": "backward", "kind": "kill"}, {"step": 5, "rank": 2, "phase": "backward", "kind": "kill"}]
+    first = run_mpi(4, [WORKER, *common, "--min-replicas", "3", "--faults", json.dumps(faults)], tmp_path, timeout=240)
+    # Below min_replicas the job stops with a clear message instead of limping on.
+    assert "fewer than min_replicas=3" in first.stderr, first.describe()
+    assert (ckpt / "last").read_text().strip() == "step-00000004"
+    assert not list(ckpt.glob("*.tmp")), "no half-written checkpoint may be left in place"
+    # Relaunch on 2 replicas (the checkpoint had 3): B and the sample order come from the checkpoint.
+    second = run_mpi(2, [WORKER, *common, "--resume"], tmp_path, timeout=240)
+    assert "resuming at step 4 on 2 replica(s)" in second.stderr, second.describe()
+    ledger = read_ledger(tmp_path / "ledger.jsonl")
+    assert [line["step"] for line in ledger] == list(range(8))
+    assert all(line["B"] == 8 and line["committed"] == 8 for line in ledger)
+    assert check_ledger(tmp_path / "ledger.jsonl").ok
+    ref_losses, ref_params = reference_run(["--steps", "8"], 4)
+    assert [line["loss"] for line in ledger] == pytest.approx(ref_losses, rel=1e-4)
+    for p in survivor_params(second).values():
+        assert_params_close(p, ref_params, rtol=1e-4, atol=1e-4)

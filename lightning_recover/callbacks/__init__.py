@@ -8,8 +8,19 @@ instances itself; pass configured ones in ``Trainer(callbacks=[...])`` to replac
 """
 
 from lightning_recover.callbacks.boundary import BoundaryScheduler
+from lightning_recover.callbacks.checkpoint import ReplicaCheckpoint, last_checkpoint, resolve_ckpt_path
 from lightning_recover.callbacks.epoch_check import EpochCheck, StaleBucketError
 from lightning_recover.callbacks.fault_injection import FaultInjection, FaultSpec
 from lightning_recover.callbacks.snapshot import GradientSnapshot
 
-__all__ = ["BoundaryScheduler", "EpochCheck", "FaultInjection", "FaultSpec", "GradientSnapshot", "StaleBucketError"]
+__all__ = [
+    "BoundaryScheduler",
+    "EpochCheck",
+    "FaultInjection",
+    "FaultSpec",
+    "GradientSnapshot",
+    "ReplicaCheckpoint",
+    "StaleBucketError",
+    "last_checkpoint",
+    "resolve_ckpt_path",
+]

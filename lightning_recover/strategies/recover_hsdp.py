@@ -49,7 +49,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_recover.callbacks import BoundaryScheduler, EpochCheck, FaultInjection, GradientSnapshot
+from lightning_recover.callbacks import BoundaryScheduler, EpochCheck, FaultInjection, GradientSnapshot, ReplicaCheckpoint
+from lightning_recover.callbacks.checkpoint import publish
 from lightning_recover.communicator import DEFAULT_BUCKET_BYTES, FaultTolerantComm, PeerFailure
 from lightning_recover.ledger import LedgerWriter, read_ledger
 from lightning_recover.planner import MicrobatchPlanner
@@ -133,6 +134,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (a view), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _to_local_tree(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return _local(obj).detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_local_tree(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_local_tree(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_local_tree(v) for v in obj)
+    return obj
+
+
 def _is_comm_error(exc: BaseException) -> bool:
     if isinstance(exc, getattr(dist, "DistError", ())):
         return True
@@ -158,6 +176,12 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             ``--hang-timeout``, else 10 s. ``0`` turns hang detection off.
         stuck_timeout_s: also kill a rank that makes no progress (microbatch, bucket) for
             this long outside a collective; off by default, set it above your slowest microbatch.
+        checkpoint_dir: where the leader replica writes fallback checkpoints (None: none).
+        checkpoint_every_n_steps: checkpoint period in committed steps.
+
+    Checkpoints resume with ``trainer.fit(..., ckpt_path=resolve_ckpt_path("last", dir))``,
+    also on a different number of replicas: B, G_init, T and the sample order come from
+    the checkpoint, not from these arguments. The shard count must stay the same.
     """
 
     strategy_name = "recover_hsdp"
@@ -175,6 +199,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         timeout_s: float = 60.0,
         hang_timeout_s: float | None = None,
         stuck_timeout_s: float | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every_n_steps: int = 0,
     ) -> None:
         super().__init__(cluster_environment=ReplicaEnvironment())
         if not isinstance(shards, int) or shards < 1:
@@ -197,6 +223,14 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.hang_timeout_s = default_hang_timeout() if hang_timeout_s is None else (hang_timeout_s or None)
         self.stuck_timeout_s = stuck_timeout_s
         self.watchdog: HangWatchdog | None = None
+        if checkpoint_dir is not None and checkpoint_every_n_steps < 1:
+            raise ConfigurationError(
+                f"checkpoint_every_n_steps must be >= 1 with a checkpoint_dir, got {checkpoint_every_n_steps}; "
+                "set recover.checkpoint.every_n_steps"
+            )
+        self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every_n_steps = checkpoint_every_n_steps
+        self._resume: dict[str, Any] | None = None
 
         self.comm: FaultTolerantComm | None = None
         self.layout: RankLayout | None = None
@@ -349,6 +383,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._epoch_check = self._callback(trainer, EpochCheck)
         self._boundary = self._callback(trainer, BoundaryScheduler)
         self._faults = [c for c in trainer.callbacks if isinstance(c, FaultInjection)]
+        if self.checkpoint_dir is not None and not any(isinstance(c, ReplicaCheckpoint) for c in trainer.callbacks):
+            trainer.callbacks.append(ReplicaCheckpoint(self.checkpoint_dir, self.checkpoint_every_n_steps))
 
     @staticmethod
     def _callback(trainer: Trainer, cls: type[Callback]) -> Any:
@@ -400,6 +436,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._dataset = dataset
         self._collate = getattr(dataloader, "collate_fn", None) or torch.utils.data.default_collate
         self.planner = MicrobatchPlanner(len(dataset), self.policy.B, batch_size, shards=self.shards, seed=self.seed)
+        if self._resume is not None:
+            self.planner.load_state_dict(self._resume["planner"])
         steps = self.planner.samples_per_epoch // (self.policy.B * batch_size * self.shards)
         return _TicketLoader(max(1, steps))
 
@@ -621,6 +659,13 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     def _write_ledger(self, record: dict[str, Any]) -> None:
         if self.ledger_path is None or self.global_rank != 0:
             return
+        if self._ledger is None and self._resume is not None and not self._ledger_leader:
+            # Resumed: steps after the checkpoint are redone, so their old lines go.
+            keep = [line for line in read_ledger(self.ledger_path) if line["step"] < record["step"]] if os.path.exists(self.ledger_path) else []
+            with LedgerWriter(self.ledger_path) as rewrite:
+                for line in keep:
+                    rewrite.write(line)
+            self._ledger_leader = True
         if self._ledger is None:
             # A new leader appends, first writing any committed steps the old leader did not.
             fresh = not self._ledger_leader and record["step"] == 0
@@ -698,6 +743,120 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         comm = self.comm
         parts = self._ft(lambda: comm.allgather_object(tensor.detach().cpu()))
         return torch.stack(parts).to(tensor.device)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # sharded models load into their shards, so the model must be set up first
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.model is not None
+        return {k: _local(v).detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        assert self.model is not None
+        saved = checkpoint["state_dict"]
+        own = self.model.state_dict()
+        missing = sorted(set(own) - set(saved))
+        if strict and missing:
+            raise KeyError(f"checkpoint lacks {missing[:5]}; was it written for another model?")
+        with torch.no_grad():
+            for k, v in own.items():
+                if k in saved:
+                    _local(v).copy_(saved[k])
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        return _to_local_tree(opt.state_dict())
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            opt.load_state_dict(state)
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    if not hasattr(p, "device_mesh"):
+                        continue
+                    from torch.distributed.tensor import DTensor
+
+                    for key, value in opt.state.get(p, {}).items():
+                        if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == p.to_local().shape:
+                            opt.state[p][key] = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False)
+
+    def _recover_state(self) -> dict[str, Any]:
+        assert self.policy is not None and self.planner is not None and self.comm is not None
+        return {
+            "B": self.policy.B, "grad_accum": self.policy.G_init, "target_replicas": self.policy.T, "shards": self.shards,
+            "seed": self.seed, "policy_name": self.policy_name, "policy": self.policy.state_dict(),
+            "planner": self.planner.state_dict(), "step": self.lightning_module.trainer.global_step,  # type: ignore[union-attr]
+            "replicas": list(self.comm.alive_replicas), "world_epoch": self.comm.epoch,
+            "rng": {"torch": torch.get_rng_state()},
+        }
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Only the leader replica writes: one file per shard rank, renamed into place when all are done."""
+        assert self.comm is not None
+        if self.comm.alive_replicas[0] != self.replica:
+            return
+        final = os.path.abspath(os.fspath(filepath))
+        directory, tmp = os.path.dirname(final), final + ".tmp"
+        checkpoint["lightning_recover"] = self._recover_state()
+        if self.comm.shard == 0:
+            os.makedirs(tmp, exist_ok=True)
+        self._replica_barrier("checkpoint start")
+        part = os.path.join(tmp, f"shard{self.comm.shard}.pt")
+        torch.save(checkpoint, part + ".part")
+        os.replace(part + ".part", part)
+        self._replica_barrier("checkpoint written")
+        if self.comm.shard == 0:
+            from pathlib import Path
+
+            publish(Path(directory), Path(tmp), Path(final), keep=2)
+
+    def _replica_barrier(self, where: str) -> None:
+        if self.shards > 1:
+            with self._replica_guard(where):
+                dist.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.comm is not None and self.layout is not None
+        path = os.fspath(checkpoint_path)
+        shard_file = os.path.join(path, f"shard{self.comm.shard}.pt")
+        if not os.path.isfile(shard_file):
+            raise FileNotFoundError(
+                f"{shard_file!r} not found: {path!r} is not a lightning-recover checkpoint for recover.shards={self.shards}"
+            )
+        checkpoint = torch.load(shard_file, map_location="cpu", weights_only=False)
+        state = checkpoint.get("lightning_recover")
+        if state is None:
+            raise ValueError(f"{path!r} was not written by ReCoVerHSDPStrategy (no 'lightning_recover' state)")
+        if state["shards"] != self.shards:
+            raise ConfigurationError(
+                f"checkpoint {path!r} was written with shards={state['shards']} but this run has shards={self.shards}; "
+                f"resume with recover.shards={state['shards']}"
+            )
+        self._adopt(state)
+        return checkpoint
+
+    def _adopt(self, state: dict[str, Any]) -> None:
+        """Take B, G_init, T and the sample order from the checkpoint; fit the policy to today's replicas."""
+        assert self.layout is not None
+        self._resume = state
+        self.seed = int(state["seed"])
+        self.grad_accum, self.target_replicas = int(state["grad_accum"]), int(state["target_replicas"])
+        W = self.layout.replicas
+        if self.policy_name == "static":
+            # Fewer replicas than T: the missing ones count as lost, B stays T * G_init.
+            self.policy = make_policy("static", max(W, self.target_replicas), self.grad_accum, T=self.target_replicas, min_replicas=self.min_replicas)
+        else:
+            self.policy = make_policy(self.policy_name, W, self.grad_accum, min_replicas=self.min_replicas)
+        if self.policy.B != int(state["B"]):
+            raise ConfigurationError(f"cannot keep B={state['B']} with policy {self.policy_name!r} on {W} replicas")
+        rank_zero_only(print)(
+            f"[lightning-recover] resuming at step {state['step']} on {W} replica(s) (checkpoint had {len(state['replicas'])}); "
+            f"B={state['B']} from the checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
 
     # ------------------------------------------------------------------ teardown
     def teardown(self) -> None:

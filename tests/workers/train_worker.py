@@ -21,7 +21,8 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_recover.callbacks import FaultInjection  # noqa: E402
+from lightning_recover.callbacks import FaultInjection, resolve_ckpt_path  # noqa: E402
+from lightning_recover.policy import PolicyError  # noqa: E402
 from lightning_recover.strategies import ReCoVerHSDPStrategy  # noqa: E402
 from model import GPT, ByteDataset, read_corpus, SIZES  # noqa: E402
 
@@ -55,6 +56,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--corpus-bytes", type=int, default=300_000)
     ap.add_argument("--faults", default="[]")
     ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--ckpt-dir", default=None)
+    ap.add_argument("--ckpt-every", type=int, default=0)
+    ap.add_argument("--min-replicas", type=int, default=1)
+    ap.add_argument("--resume", action="store_true")
     return ap.parse_args(argv)
 
 
@@ -64,7 +69,8 @@ def main() -> None:
     model, data = build(args)
     strategy = ReCoVerHSDPStrategy(
         shards=args.shards, grad_accum=args.grad_accum, target_replicas=args.target, policy=args.policy,
-        ledger_path=out / "ledger.jsonl", seed=args.seed, bucket_mb=0.01,
+        ledger_path=out / "ledger.jsonl", seed=args.seed, bucket_mb=0.01, min_replicas=args.min_replicas,
+        checkpoint_dir=args.ckpt_dir, checkpoint_every_n_steps=args.ckpt_every,
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,
@@ -72,7 +78,13 @@ def main() -> None:
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=1.0, num_sanity_val_steps=0, log_every_n_steps=1,
     )
-    trainer.fit(model, DataLoader(data, batch_size=args.mbs))
+    ckpt = resolve_ckpt_path("last", args.ckpt_dir) if args.resume else None
+    try:
+        trainer.fit(model, DataLoader(data, batch_size=args.mbs), ckpt_path=ckpt)
+    except PolicyError as exc:
+        print(f"train_worker: stopping: {exc}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(3)
     comm = strategy.comm
     assert comm is not None
     params = full_params(model)
