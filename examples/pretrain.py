@@ -309,15 +309,41 @@ def build_strategy(cfg: DictConfig) -> Any:
 
 
 def build_loggers(run_dir: Path) -> list[Any]:
-    """CSV always; TensorBoard too when it is installed."""
-    from lightning.pytorch.loggers import CSVLogger
-
-    loggers: list[Any] = [CSVLogger(run_dir, name="logs")]
+    """CSV always (``logs/version_N/metrics.csv``); TensorBoard too when it is installed."""
+    loggers: list[Any] = [leader_csv_logger(run_dir)]
     if importlib.util.find_spec("tensorboard") is not None or importlib.util.find_spec("tensorboardX") is not None:
         from lightning.pytorch.loggers import TensorBoardLogger
 
         loggers.append(TensorBoardLogger(run_dir, name="tb"))
     return loggers
+
+
+def leader_csv_logger(run_dir: Path) -> Any:
+    """A CSVLogger that survives a change of leader.
+
+    Only the current leader (global rank 0) writes, and the leader can be the replica that
+    dies. Rows go to disk every step, so none is lost with it, and the successor continues
+    the same metrics.csv: Lightning's writer would delete an existing metrics.csv when it
+    is created, i.e. the moment the new leader logs its first row.
+    """
+    from lightning.fabric.loggers.logger import rank_zero_experiment
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+    class ContinuingWriter(ExperimentWriter):
+        def _check_log_dir_exists(self) -> None:  # keep the rows an earlier leader wrote
+            pass
+
+    class LeaderCSVLogger(CSVLogger):
+        @property
+        @rank_zero_experiment
+        def experiment(self) -> Any:
+            if self._experiment is None:
+                self._fs.makedirs(self.root_dir, exist_ok=True)
+                self._experiment = ContinuingWriter(log_dir=self.log_dir)
+            return self._experiment
+
+    return LeaderCSVLogger(run_dir, name="logs", flush_logs_every_n_steps=1)
 
 
 @functools.cache

@@ -345,3 +345,21 @@ def test_launched_four_ranks_with_a_kill_follows_the_two_rank_trajectory(tmp_pat
     assert verdict.ok, f"{verdict.problems}\n{job.describe()}"
     summary = [line for line in job.stdout.splitlines() if line.startswith("pretrain.py: done:")]
     assert len(summary) == 1 and "faults 1" in summary[0] and "live replicas 3/4" in summary[0], job.describe()
+
+
+@pytest.mark.mpi
+def test_leader_loss_keeps_every_metrics_row(tmp_path: Path) -> None:
+    # Rank 0 (the leader: ledger, CSV, summary) dies; rank 1 takes over all three.
+    run = tmp_path / "run"
+    job = run_mpi(
+        2,
+        [SCRIPT, "trainer.max_steps=4", *QUIET, "fault.schedule=[{step:2,rank:0,phase:backward,kind:kill}]", f"hydra.run.dir={run}"],
+        tmp_path,
+        timeout=150,
+    )
+    assert [line["step"] for line in read_ledger(run / "ledger.jsonl")] == [0, 1, 2, 3], job.describe()
+    assert check_ledger(run / "ledger.jsonl").ok
+    steps = [int(r["step"]) for r in metrics_rows(run) if r.get("step_loss")]
+    assert steps == [0, 1, 2, 3], f"rows of the old leader lost: {steps}"
+    summary = [line for line in job.stdout.splitlines() if line.startswith("pretrain.py: done:")]
+    assert len(summary) == 1 and "4 steps" in summary[0] and "live replicas 1/2" in summary[0], job.describe()
