@@ -53,9 +53,16 @@ def _check_ledger(argv: list[str]) -> int:
     return ledger_main(argv)
 
 
+def _chaos(argv: list[str]) -> int:
+    from lightning_recover.chaos import main as chaos_main
+
+    return chaos_main(argv)
+
+
 COMMANDS = {
     "launch": (_launch, "run a command on N ranks under mpiexec --with-ft ulfm"),
     "check-ledger": (_check_ledger, "verify a step ledger (exactly-once ids, constant B, loss vs a reference)"),
+    "chaos": (_chaos, "random kills and hangs against launched runs, every run checked"),
 }
 
 

@@ -1,0 +1,318 @@
+"""Chaos campaign: random failures against real launched jobs, every run checked.
+
+``lightning-recover chaos --runs N --seed S`` draws N runs. Each picks a topology that
+fits this machine (W replicas x S shards, spares included), then up to W - 1 replica
+losses: random victims (contributors, spares, the minor, the replica holding rank 0),
+phases (forward, backward, reduce, optimizer), kinds (SIGKILL, SIGSTOP) and timings,
+several per step at times, and cascades (a second death during the boundary step of a
+first). Every run is checked against the invariants the project promises:
+
+* it finishes within a time bound (a run past it counts as a *hang*);
+* the ledger passes ``check-ledger`` (each step commits its B ids exactly once) and its
+  loss trajectory matches a fault-free single-process reference (rtol 1e-4);
+* every surviving replica holds bitwise-identical parameters;
+* every injected fault that fired was recovered (appears in the ledger's faults).
+
+It needs a source checkout (the example GPT lives in ``examples/``). Exit status 1 on any
+violation or hang. ``python -m lightning_recover.chaos job CONFIG`` is the launched job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+#: (replicas, shards, target replicas) that fit a 2-core machine.
+TOPOLOGIES: tuple[tuple[int, int, int | None], ...] = ((4, 1, None), (2, 2, None), (5, 1, 4), (3, 1, None), (4, 1, 3))
+PHASES = ("forward", "backward", "reduce", "optimizer")
+SAMPLES_PER_MICROBATCH = 2
+CORPUS_BYTES = 300_000
+
+
+@dataclass
+class ChaosRun:
+    index: int
+    replicas: int
+    shards: int
+    target: int | None
+    grad_accum: int
+    steps: int
+    seed: int
+    faults: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def world(self) -> int:
+        return self.replicas * self.shards
+
+    @property
+    def B(self) -> int:
+        return (self.target or self.replicas) * self.grad_accum
+
+    def describe(self) -> str:
+        t = f" T={self.target}" if self.target else ""
+        fs = ", ".join(f"s{f['step']} r{f['rank']} {f['phase']}{'/mb' + str(f['microbatch']) if 'microbatch' in f else ''} {f['kind']}" for f in self.faults)
+        return f"{self.replicas}x{self.shards}{t} G={self.grad_accum} B={self.B}: {fs}"
+
+
+def draw_run(index: int, rng: random.Random, steps: int, hangs: bool = True) -> ChaosRun:
+    W, S, T = rng.choice(TOPOLOGIES)
+    run = ChaosRun(index, W, S, T, grad_accum=rng.randint(1, 3), steps=steps, seed=rng.randint(0, 2**31 - 1))
+    losses = rng.randint(1, W - 1)
+    victims = rng.sample(range(W), losses)
+    for n, replica in enumerate(victims):
+        rank = replica * S + rng.randrange(S)
+        step = rng.randrange(steps)
+        phase = rng.choice(PHASES)
+        kind = "hang" if hangs and rng.random() < 0.2 else "kill"
+        fault: dict[str, Any] = {"step": step, "rank": rank, "phase": phase, "kind": kind}
+        if phase in ("forward", "backward"):
+            # Indices past the replica's own quota land in a boundary step (a cascade).
+            fault["microbatch"] = rng.randrange(run.grad_accum + (2 if n else 0))
+        elif phase == "reduce":
+            fault["bucket"] = rng.randrange(3)
+        run.faults.append(fault)
+    return run
+
+
+# ---------------------------------------------------------------------- the launched job
+def _examples_on_path() -> None:
+    if not (EXAMPLES / "model.py").exists():
+        raise FileNotFoundError(f"{EXAMPLES / 'model.py'} not found: the chaos campaign needs a source checkout")
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+
+
+def build_tiny(seed: int, corpus_bytes: int = CORPUS_BYTES) -> tuple[Any, Any]:
+    """The tiny GPT and its dataset, seeded the same way in every process and in the reference."""
+    _examples_on_path()
+    import lightning as L
+    from model import SIZES, GPT, ByteDataset, read_corpus
+
+    L.seed_everything(seed, verbose=False)
+    sizes = dict(SIZES["tiny"])
+    return GPT(**sizes, dropout=0.0, warmup_steps=2), ByteDataset(read_corpus(max_bytes=corpus_bytes), sizes["block_size"])
+
+
+def param_digest(model: Any) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        t = p.detach()
+        t = t.full_tensor() if hasattr(t, "full_tensor") else t
+        h.update(name.encode())
+        h.update(t.contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def job(config_path: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    from lightning_recover.callbacks import FaultInjection
+    from lightning_recover.strategies import ReCoVerHSDPStrategy
+
+    cfg = json.loads(Path(config_path).read_text())
+    out = Path(cfg["out"])
+    model, data = build_tiny(cfg["seed"])
+    strategy = ReCoVerHSDPStrategy(
+        shards=cfg["shards"], grad_accum=cfg["grad_accum"], target_replicas=cfg["target"], seed=cfg["seed"],
+        ledger_path=out / "ledger.jsonl", bucket_mb=0.01,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=cfg["steps"], callbacks=[FaultInjection(cfg["faults"])],
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        gradient_clip_val=1.0, num_sanity_val_steps=0,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=SAMPLES_PER_MICROBATCH // cfg["shards"]))
+    comm = strategy.comm
+    assert comm is not None
+    digest = param_digest(model)
+    if comm.shard == 0:
+        (out / f"rank{comm.rank}.json").write_text(json.dumps({"rank": comm.rank, "replica": comm.replica, "digest": digest}))
+    strategy.shutdown(exit_code=0)
+
+
+# ---------------------------------------------------------------------- reference
+_REFERENCE: dict[tuple[int, int, int], list[float]] = {}
+
+
+def reference_losses(B: int, steps: int, seed: int) -> list[float]:
+    """Per-step losses of one process accumulating the same B microbatches (the trajectory to match)."""
+    key = (B, steps, seed)
+    if key in _REFERENCE:
+        return _REFERENCE[key]
+    import torch
+
+    from lightning_recover.planner import MicrobatchPlanner
+
+    torch.set_num_threads(1)
+    model, data = build_tiny(seed)
+    planner = MicrobatchPlanner(len(data), B, SAMPLES_PER_MICROBATCH, shards=1, seed=seed)
+    cfg = model.configure_optimizers()
+    opt, sched = cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
+    model.log = lambda *a, **k: None
+    losses = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for offset in range(B):
+            gid = planner.global_id(step, offset)
+            torch.manual_seed(planner.rng_seed(gid, 0))
+            idx = planner.sample_indices(gid, 0)
+            batch = (torch.stack([data[i][0] for i in idx]), torch.stack([data[i][1] for i in idx]))
+            loss = model.training_step(batch, 0)
+            (loss / B).backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(total / B)
+    _REFERENCE[key] = losses
+    return losses
+
+
+# ---------------------------------------------------------------------- driver
+@dataclass
+class Outcome:
+    run: ChaosRun
+    seconds: float
+    hang: bool = False
+    fired: int = 0
+    recovered: int = 0
+    violations: list[str] = field(default_factory=list)
+    pauses: list[float] = field(default_factory=list)
+
+
+def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) -> Outcome:
+    from lightning_recover.launcher import build_command, launch_env
+    from lightning_recover.ledger import LedgerWriter, check_ledger, read_ledger
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    cfg = {**asdict(run), "out": str(outdir)}
+    (outdir / "config.json").write_text(json.dumps(cfg))
+    argv = build_command(run.world, [sys.executable, "-m", "lightning_recover.chaos", "job", str(outdir / "config.json")])
+    env = launch_env()
+    env["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{hang_timeout:g}"
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    t0 = time.monotonic()
+    with open(outdir / "job.log", "w") as logf:
+        proc = subprocess.Popen(argv, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        hang = False
+        try:
+            proc.wait(timeout=bound_s)
+        except subprocess.TimeoutExpired:
+            hang = True
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    out = Outcome(run, time.monotonic() - t0, hang=hang)
+    if hang:
+        out.violations.append(f"did not finish within {bound_s:.0f}s")
+        return out
+    ledger_path = outdir / "ledger.jsonl"
+    if not ledger_path.exists():
+        out.violations.append("no ledger written")
+        return out
+    ledger = read_ledger(ledger_path)
+    ref_path = outdir / "reference.jsonl"
+    with LedgerWriter(ref_path) as ref:
+        for step, loss in enumerate(reference_losses(run.B, run.steps, run.seed)):
+            ids = list(range(step * run.B, (step + 1) * run.B))
+            ref.write({"step": step, "loss": loss, "B": run.B, "committed": run.B, "microbatch_ids": ids, "replicas": [],
+                       "world_epoch": 0, "roles": {}, "faults": [], "extra_microbatches": 0, "step_time_s": 0.0, "recovery_s": 0.0})
+    verdict = check_ledger(ledger_path, reference=str(ref_path), rtol=1e-4)
+    if not verdict.ok:
+        out.violations.append(verdict.summary_line())
+    if len(ledger) != run.steps:
+        out.violations.append(f"ledger has {len(ledger)} steps, expected {run.steps}")
+    lost = sorted({r for line in ledger for r in line["faults"]})
+    log_text = (outdir / "job.log").read_text(errors="replace")
+    fired = sorted({f["rank"] // run.shards for f in run.faults if f"{f['kind']} rank {f['rank']} at step" in log_text})
+    out.fired, out.recovered = len(fired), len(set(fired) & set(lost))
+    if set(fired) - set(lost):
+        out.violations.append(f"replicas {sorted(set(fired) - set(lost))} were hit but not recorded as lost")
+    survivors = {}
+    for f in outdir.glob("rank*.json"):
+        res = json.loads(f.read_text())
+        survivors[res["replica"]] = res["digest"]
+    alive = set(ledger[-1]["replicas"]) if ledger else set()
+    if set(survivors) != alive:
+        out.violations.append(f"survivor results from replicas {sorted(survivors)} but the ledger ends with {sorted(alive)}")
+    if len(set(survivors.values())) > 1:
+        out.violations.append("surviving replicas hold different parameters")
+    out.pauses = [p for line in ledger for p in line.get("pauses_s", [])]
+    return out
+
+
+def campaign(runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, hangs: bool = True) -> list[Outcome]:
+    rng = random.Random(seed)
+    outcomes = []
+    for i in range(runs):
+        run = draw_run(i, rng, steps, hangs=hangs)
+        res = execute(run, outdir / f"run{i:04d}", hang_timeout, bound_s)
+        outcomes.append(res)
+        status = "OK" if not res.violations else "VIOLATION: " + "; ".join(res.violations)
+        print(f"[{i + 1}/{runs}] {run.describe()} -> {res.recovered}/{res.fired} recovered in {res.seconds:.0f}s {status}", flush=True)
+    return outcomes
+
+
+def summary(outcomes: list[Outcome]) -> str:
+    faults = sum(len(o.run.faults) for o in outcomes)
+    fired = sum(o.fired for o in outcomes)
+    recovered = sum(o.recovered for o in outcomes)
+    violations = sum(1 for o in outcomes if o.violations and not o.hang)
+    hangs = sum(1 for o in outcomes if o.hang)
+    pauses = sorted(p for o in outcomes for p in o.pauses)
+    med = pauses[len(pauses) // 2] if pauses else float("nan")
+    rows = [
+        ("runs", len(outcomes)), ("faults scheduled", faults), ("faults injected (fired)", fired),
+        ("recovered", recovered), ("violations", violations), ("hangs", hangs),
+        ("median recovery pause", f"{med:.3f}s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["job"]:
+        job(argv[1])
+        return 0
+    ap = argparse.ArgumentParser(prog="lightning-recover chaos", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
+    ap.add_argument("--out", default="runs/chaos", help="directory for per-run logs and ledgers")
+    ap.add_argument("--hang-timeout", type=float, default=3.0, help="watchdog timeout for SIGSTOPped ranks")
+    ap.add_argument("--bound", type=float, default=240.0, help="a run longer than this counts as a hang")
+    ap.add_argument("--no-hangs", action="store_true", help="inject SIGKILLs only")
+    args = ap.parse_args(argv)
+    if args.runs < 1:
+        ap.error(f"--runs must be >= 1, got {args.runs}")
+    outcomes = campaign(args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, hangs=not args.no_hangs)
+    print(summary(outcomes))
+    bad = any(o.violations for o in outcomes)
+    print(f"chaos: {'FAILED' if bad else 'OK'}: {len(outcomes)} runs, {sum(1 for o in outcomes if o.violations)} with violations")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The chaos campaign: its draws are sane, and a short campaign of real runs has no violation."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_recover.chaos import PHASES, draw_run
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 6))
+def test_draws_lose_at_most_w_minus_one_whole_replicas(seed: int, steps: int) -> None:
+    run = draw_run(0, random.Random(seed), steps)
+    replicas = [f["rank"] // run.shards for f in run.faults]
+    assert 1 <= len(replicas) <= run.replicas - 1
+    assert len(set(replicas)) == len(replicas), "one fault per victim replica"
+    for f in run.faults:
+        assert 0 <= f["rank"] < run.world and 0 <= f["step"] < steps
+        assert f["phase"] in PHASES and f["kind"] in ("kill", "hang")
+
+
+@pytest.mark.mpi
+def test_short_campaign_has_no_violation(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "lightning_recover.cli", "chaos", "--runs", "10", "--seed", "2026", "--steps", "2", "--out", str(tmp_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    print(res.stdout)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    lines = res.stdout.splitlines()
+    assert lines[-1].startswith("chaos: OK: 10 runs, 0 with violations")
+    table = dict(line.rsplit(None, 1) for line in lines[-8:-1])
+    assert table["violations"] == "0" and table["hangs"] == "0"
+    assert int(table["recovered"]) == int(table["faults injected (fired)"]) > 0
