@@ -148,12 +148,13 @@ def job(config_path: str) -> None:
 
 
 # ---------------------------------------------------------------------- reference
-_REFERENCE: dict[tuple[int, int, int], list[float]] = {}
+_REFERENCE: dict[tuple[int, int, int, int], tuple[list[float], dict[str, Any]]] = {}
 
 
-def reference_losses(B: int, steps: int, seed: int) -> list[float]:
-    """Per-step losses of one process accumulating the same B microbatches (the trajectory to match)."""
-    key = (B, steps, seed)
+def reference_run(B: int, steps: int, seed: int, samples_per_microbatch: int = SAMPLES_PER_MICROBATCH) -> tuple[list[float], dict[str, Any]]:
+    """One process accumulating the same B microbatches per step: the trajectory every
+    fault-tolerant run must reproduce. Returns per-step losses and the final parameters."""
+    key = (B, steps, seed, samples_per_microbatch)
     if key in _REFERENCE:
         return _REFERENCE[key]
     import torch
@@ -162,7 +163,7 @@ def reference_losses(B: int, steps: int, seed: int) -> list[float]:
 
     torch.set_num_threads(1)
     model, data = build_tiny(seed)
-    planner = MicrobatchPlanner(len(data), B, SAMPLES_PER_MICROBATCH, shards=1, seed=seed)
+    planner = MicrobatchPlanner(len(data), B, samples_per_microbatch, shards=1, seed=seed)
     cfg = model.configure_optimizers()
     opt, sched = cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]
     model.log = lambda *a, **k: None
@@ -182,8 +183,9 @@ def reference_losses(B: int, steps: int, seed: int) -> list[float]:
         opt.step()
         sched.step()
         losses.append(total / B)
-    _REFERENCE[key] = losses
-    return losses
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    _REFERENCE[key] = (losses, params)
+    return losses, params
 
 
 # ---------------------------------------------------------------------- driver
@@ -234,7 +236,7 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
     ledger = read_ledger(ledger_path)
     ref_path = outdir / "reference.jsonl"
     with LedgerWriter(ref_path) as ref:
-        for step, loss in enumerate(reference_losses(run.B, run.steps, run.seed)):
+        for step, loss in enumerate(reference_run(run.B, run.steps, run.seed)[0]):
             ids = list(range(step * run.B, (step + 1) * run.B))
             ref.write({"step": step, "loss": loss, "B": run.B, "committed": run.B, "microbatch_ids": ids, "replicas": [],
                        "world_epoch": 0, "roles": {}, "faults": [], "extra_microbatches": 0, "step_time_s": 0.0, "recovery_s": 0.0})

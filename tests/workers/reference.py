@@ -1,48 +1,15 @@
-"""Single-process reference: accumulate the same B microbatches per step, no MPI, no Lightning loop.
-
-This is the trajectory every fault-tolerant run must reproduce: same model init, same
-samples per step (from the planner), same per-microbatch RNG seeds, loss / B summed.
-"""
+"""Single-process reference for the strategy tests (see lightning_recover.chaos.reference_run)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_worker import build, parse  # noqa: E402
-
-from lightning_recover.planner import MicrobatchPlanner  # noqa: E402
+from lightning_recover.chaos import reference_run as _reference_run
+from train_worker import parse
 
 
 def reference_run(argv: list[str], replicas: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The trajectory a launched train_worker run with ``argv`` on ``replicas`` replicas must match."""
     args = parse(argv)
-    torch.set_num_threads(1)
-    model, data = build(args)
-    T = args.target or replicas
-    B = T * args.grad_accum
-    planner = MicrobatchPlanner(len(data), B, args.mbs, shards=args.shards, seed=args.seed)
-    opt_cfg = model.configure_optimizers()
-    opt, sched = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
-    model.log = lambda *a, **k: None  # type: ignore[method-assign]
-    model.train()
-    losses = []
-    for step in range(args.steps):
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for offset in range(B):
-            gid = planner.global_id(step, offset)
-            torch.manual_seed(planner.rng_seed(gid, 0))
-            idx = [i for s in range(args.shards) for i in planner.sample_indices(gid, s)]
-            x = torch.stack([data[i][0] for i in idx])
-            y = torch.stack([data[i][1] for i in idx])
-            loss = model.training_step((x, y), 0)
-            (loss / B).backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(total / B)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    B = (args.target or replicas) * args.grad_accum
+    return _reference_run(B, args.steps, args.seed, samples_per_microbatch=args.mbs * args.shards)

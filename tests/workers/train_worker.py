@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
@@ -24,15 +23,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_recover.callbacks import FaultInjection, resolve_ckpt_path  # noqa: E402
 from lightning_recover.policy import PolicyError  # noqa: E402
 from lightning_recover.strategies import ReCoVerHSDPStrategy  # noqa: E402
-from model import GPT, ByteDataset, read_corpus, SIZES  # noqa: E402
-
-
-def build(args: argparse.Namespace) -> tuple[GPT, ByteDataset]:
-    L.seed_everything(args.seed, verbose=False)
-    sizes = dict(SIZES["tiny"])
-    model = GPT(**sizes, dropout=args.dropout, warmup_steps=2)
-    data = ByteDataset(read_corpus(max_bytes=args.corpus_bytes), sizes["block_size"])
-    return model, data
+from lightning_recover.chaos import build_tiny  # noqa: E402
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -52,8 +43,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--mbs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--dropout", type=float, default=0.0)
-    ap.add_argument("--corpus-bytes", type=int, default=300_000)
     ap.add_argument("--faults", default="[]")
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--ckpt-dir", default=None)
@@ -66,7 +55,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse()
     out = Path(os.environ["LR_TEST_OUT"])
-    model, data = build(args)
+    model, data = build_tiny(args.seed)
     strategy = ReCoVerHSDPStrategy(
         shards=args.shards, grad_accum=args.grad_accum, target_replicas=args.target, policy=args.policy,
         ledger_path=out / "ledger.jsonl", seed=args.seed, bucket_mb=0.01, min_replicas=args.min_replicas,
