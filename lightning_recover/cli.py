@@ -59,7 +59,14 @@ def _chaos(argv: list[str]) -> int:
     return chaos_main(argv)
 
 
+def _demo(argv: list[str]) -> int:
+    from lightning_recover.demo import main as demo_main
+
+    return demo_main(argv)
+
+
 COMMANDS = {
+    "demo": (_demo, "the fault-injection demo: ReCoVer vs fault-free vs AdaptiveWorld, table and figure"),
     "launch": (_launch, "run a command on N ranks under mpiexec --with-ft ulfm"),
     "check-ledger": (_check_ledger, "verify a step ledger (exactly-once ids, constant B, loss vs a reference)"),
     "chaos": (_chaos, "random kills and hangs against launched runs, every run checked"),
