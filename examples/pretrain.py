@@ -110,6 +110,17 @@ def _positive(name: str, value: Any, what: str) -> float:
     return float(value)
 
 
+def check_writable_dir(name: str, path: str) -> None:
+    """Create ``path`` if needed and write (then remove) a probe file in it."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        probe = Path(path) / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UsageError(f"{name}={path!r} is not a writable directory ({exc.strerror or exc}); set {name} to one") from None
+
+
 def check_ledger_path(path: str | None) -> None:
     """Refuse a ledger path the leader could not write, by a test-write (removed again)."""
     if path is None:
@@ -177,7 +188,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> None:
             f"(lightning-recover launch -n ...) or set recover.shards to a divisor of {world}"
         )
     replicas = world // shards
-    if r.target_replicas is not None:
+    resuming = cfg.get("ckpt_path") is not None  # then B, G_init and T come from the checkpoint
+    if r.target_replicas is not None and not resuming:
         target = _int("recover.target_replicas", r.target_replicas, 1, "set recover.target_replicas to 1..replicas, or null for all")
         if target > replicas:
             raise UsageError(
@@ -195,6 +207,19 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> None:
     _positive("recover.bucket_mb", r.bucket_mb, "MiB per gradient bucket")
     _positive("recover.timeout_s", r.timeout_s, "seconds")
     check_ledger_path(None if r.ledger_path is None else str(r.ledger_path))
+    for key in ("hang_timeout_s", "stuck_timeout_s"):
+        value = r.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            raise UsageError(f"recover.{key}={value!r} must be a number of seconds >= 0 (or null)")
+    ckpt = r.get("checkpoint") or {}
+    every = _int("recover.checkpoint.every_n_steps", ckpt.get("every_n_steps", 0), 0, "set it to a step period, or 0 for no checkpoints")
+    if every > 0:
+        if ckpt.get("dir") is None:
+            raise UsageError("recover.checkpoint.every_n_steps > 0 needs recover.checkpoint.dir; set it to a directory")
+        check_writable_dir("recover.checkpoint.dir", str(ckpt.dir))
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is not None and str(ckpt_path) != "last" and not Path(str(ckpt_path)).is_dir():
+        raise UsageError(f"ckpt_path={str(ckpt_path)!r} is not a checkpoint directory; use ckpt_path=last or a step-N directory")
 
     max_steps = cfg.trainer.get("max_steps", -1)
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or not (max_steps == -1 or max_steps >= 1):
@@ -295,16 +320,27 @@ def build_strategy(cfg: DictConfig) -> Any:
     from lightning_recover.strategies import ReCoVerHSDPStrategy
 
     r = cfg.recover
+    extra: dict[str, Any] = {}
+    if r.get("hang_timeout_s") is not None:
+        extra["hang_timeout_s"] = float(r.hang_timeout_s)
+    if r.get("stuck_timeout_s") is not None:
+        extra["stuck_timeout_s"] = float(r.stuck_timeout_s)
+    ckpt = r.get("checkpoint") or {}
+    if ckpt.get("every_n_steps", 0) > 0:
+        extra.update(checkpoint_dir=str(ckpt.dir), checkpoint_every_n_steps=int(ckpt.every_n_steps))
+    # Resuming: T (like B and G_init) comes from the checkpoint, which may have had more replicas.
+    target = None if cfg.get("ckpt_path") is not None else r.target_replicas
     return ReCoVerHSDPStrategy(
         shards=r.shards,
         grad_accum=r.grad_accum,
-        target_replicas=r.target_replicas,
+        target_replicas=target,
         policy=r.policy,
         min_replicas=r.min_replicas,
         bucket_mb=float(r.bucket_mb),
         ledger_path=None if r.ledger_path is None else str(r.ledger_path),
         seed=cfg.seed,
         timeout_s=float(r.timeout_s),
+        **extra,
     )
 
 
@@ -476,6 +512,21 @@ def usage_exit(message: str, strategy: Any = None) -> NoReturn:
     _leave(strategy, 2)
 
 
+def resolve_resume(cfg: DictConfig) -> str | None:
+    """``ckpt_path``: "last" -> the newest complete checkpoint in recover.checkpoint.dir."""
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path is None:
+        return None
+    from lightning_recover.callbacks.checkpoint import resolve_ckpt_path
+
+    directory = (cfg.recover.get("checkpoint") or {}).get("dir")
+    return resolve_ckpt_path(str(ckpt_path), None if directory is None else str(directory))
+
+
+def _is_policy_stop(exc: BaseException) -> bool:
+    return any(t.__name__ == "TooFewReplicasError" for t in type(exc).__mro__)
+
+
 def _is_ulfm_error(exc: BaseException) -> bool:
     return any(t.__name__ == "ULFMUnavailableError" for t in type(exc).__mro__)
 
@@ -495,21 +546,30 @@ def train(cfg: DictConfig) -> None:
 
         route_lightning_logs()
         warnings.filterwarnings("ignore", ".*does not have many workers.*")
+        # On resume the strategy restores the sample order itself (planner state in the checkpoint).
+        warnings.filterwarnings("ignore", ".*your dataloader is not resumable.*")
         FirstStep, StepMetrics = callback_classes()
         first = FirstStep()
         run_dir = run_dir_of(cfg)
         model = build_model(cfg)
         dataset = build_data(cfg)
-        if hasattr(dataset, "__len__"):
+        if hasattr(dataset, "__len__") and cfg.get("ckpt_path") is None:
             check_dataset_size(cfg, len(dataset))
+        ckpt_path = resolve_resume(cfg)
         loader = DataLoader(dataset, batch_size=cfg.data.microbatch_size, shuffle=False)
         strategy = build_strategy(cfg)
         tokens_per_mb = cfg.data.microbatch_size * cfg.recover.shards * cfg.model.block_size
         trainer = build_trainer(cfg, strategy, [first, FaultInjection(specs), StepMetrics(tokens_per_mb)], run_dir)
-        trainer.fit(model, loader)
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
     except SystemExit:
         raise
     except BaseException as exc:
+        if _is_policy_stop(exc) and strategy is not None:
+            # Too few live replicas to continue in place: a clear stop; relaunch with ckpt_path=last.
+            if strategy.global_rank == 0:
+                hint = "; relaunch with ckpt_path=last" if strategy.checkpoint_dir is not None else ""
+                print(f"{PROG}: stopping: {' '.join(str(exc).split())}{hint}", file=sys.stderr, flush=True)
+            _leave(strategy, 3)
         if not (first is not None and first.started) and not os.environ.get("LR_TRACEBACK"):
             if _is_ulfm_error(exc):
                 usage_exit(

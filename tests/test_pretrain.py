@@ -48,6 +48,7 @@ def test_defaults_compose() -> None:
     assert OmegaConf.to_container(cfg.recover, resolve=False)["ledger_path"] == "${hydra:runtime.output_dir}/ledger.jsonl"
     assert list(cfg.fault.schedule) == []
     assert cfg.trainer.accumulate_grad_batches == 1 and cfg.trainer.precision == "32-true"
+    assert cfg.ckpt_path is None and cfg.recover.checkpoint.every_n_steps == 0
     pretrain.validate(_with_ledger(cfg, None), world_size=4)
 
 
@@ -83,6 +84,9 @@ def test_public_overrides(tmp_path: Path) -> None:
     ]
     assert cfg.hydra.run.dir == f"{tmp_path}/run"
     assert cfg.hydra.job.chdir is False
+    resume = cfg_of("++ckpt_path=last", "recover.checkpoint.every_n_steps=5", f"recover.checkpoint.dir={tmp_path}/ck")
+    assert resume.ckpt_path == "last" and resume.recover.checkpoint.every_n_steps == 5
+    assert resume.recover.checkpoint.dir == f"{tmp_path}/ck"
 
 
 def test_run_dir_is_shared_and_only_the_leader_writes_hydra_files(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,14 +148,26 @@ def test_named_fault_schedule_parses() -> None:
         (["fault.schedule=oops"], 4, "fault.schedule='oops' is not a list"),
         (["data.corpus=/no/such/corpus"], 4, "data.corpus='/no/such/corpus' does not exist"),
         (["model.n_head=3"], 4, "model.n_embd=32 is not divisible by model.n_head=3"),
+        (["recover.checkpoint.every_n_steps=-1"], 4, "recover.checkpoint.every_n_steps=-1"),
+        (["ckpt_path=/no/such/step-3"], 4, "ckpt_path='/no/such/step-3' is not a checkpoint directory"),
+        (["recover.hang_timeout_s=-2"], 4, "recover.hang_timeout_s=-2"),
     ],
 )
 def test_validate_names_the_value(overrides: list[str], world: int, needle: str) -> None:
     cfg = _with_ledger(cfg_of(*overrides), None)
+    cfg.recover.checkpoint.dir = None
     with pytest.raises(pretrain.UsageError) as info:
         pretrain.validate(cfg, world_size=world)
     assert needle in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_resume_defers_b_to_the_checkpoint(tmp_path: Path) -> None:
+    # Resuming on fewer replicas than the checkpoint's T: B, G_init and T come from the checkpoint.
+    cfg = _with_ledger(cfg_of("recover.target_replicas=4", "++ckpt_path=last", f"recover.checkpoint.dir={tmp_path}"), None)
+    pretrain.validate(cfg, world_size=2)
+    with pytest.raises(pretrain.UsageError, match="recover.target_replicas=4"):
+        pretrain.validate(_with_ledger(cfg_of("recover.target_replicas=4"), None), world_size=2)
 
 
 def test_fault_schedule_rank_must_exist() -> None:
@@ -213,6 +229,7 @@ BAD_RUNS: dict[str, tuple[list[str], str]] = {
     "fp16": (["trainer.precision=16-mixed"], "trainer.precision='16-mixed'"),
     "too_small": (["data.max_bytes=200"], "one step needs B*microbatch_size*shards = 2*4*1 = 8"),
 }
+BAD_RUNS["no_checkpoint"] = (["ckpt_path=last", "recover.checkpoint.dir={tmp}/empty"], "holds no complete checkpoint")
 SPECIAL = {
     "iterable": "is not map-style",
     "no_ulfm": "no MPI fault tolerance (ULFM)",
@@ -348,18 +365,37 @@ def test_launched_four_ranks_with_a_kill_follows_the_two_rank_trajectory(tmp_pat
 
 
 @pytest.mark.mpi
-def test_leader_loss_keeps_every_metrics_row(tmp_path: Path) -> None:
-    # Rank 0 (the leader: ledger, CSV, summary) dies; rank 1 takes over all three.
+def test_leader_losses_then_stop_below_min_replicas_then_resume(tmp_path: Path, two_ranks) -> None:  # type: ignore[no-untyped-def]
+    # 3 replicas, T = 2, grad_accum 4 (B = 8; replica 2 is a spare), a checkpoint every step,
+    # at least 2 live replicas. Step 1: the leader (rank 0) dies, the spare takes its ids and
+    # rank 1 leads. Step 2: rank 1 dies too -> one replica left: the job stops (exit 3, one
+    # line). One rank resumes from the checkpoint with B = 8: the ledger follows the
+    # fault-free two-rank run, and metrics.csv keeps the rows every leader wrote.
+    _, ref = two_ranks
     run = tmp_path / "run"
-    job = run_mpi(
-        2,
-        [SCRIPT, "trainer.max_steps=4", *QUIET, "fault.schedule=[{step:2,rank:0,phase:backward,kind:kill}]", f"hydra.run.dir={run}"],
-        tmp_path,
+    common = ["model=tiny", "trainer.max_steps=3", "seed=3", *QUIET, f"hydra.run.dir={run}"]
+    stop = run_mpi(
+        3,
+        [SCRIPT, *common, "recover.target_replicas=2", "recover.grad_accum=4", "recover.min_replicas=2",
+         "recover.checkpoint.every_n_steps=1",
+         "fault.schedule=[{step:1,rank:0,phase:backward,kind:kill},{step:2,rank:1,phase:backward,kind:kill}]"],
+        tmp_path / "stop",
         timeout=150,
     )
-    assert [line["step"] for line in read_ledger(run / "ledger.jsonl")] == [0, 1, 2, 3], job.describe()
-    assert check_ledger(run / "ledger.jsonl").ok
+    assert stop.returncode == 3, stop.describe()
+    stops = [line for line in stop.stderr.splitlines() if line.startswith("pretrain.py: stopping:")]
+    assert len(stops) == 1 and "min_replicas=2" in stops[0] and "ckpt_path=last" in stops[0], stop.describe()
+    assert "Traceback" not in stop.stderr, stop.describe()
+    ledger = read_ledger(run / "ledger.jsonl")
+    assert [line["step"] for line in ledger] == [0, 1] and ledger[1]["faults"] == [0], stop.describe()
     steps = [int(r["step"]) for r in metrics_rows(run) if r.get("step_loss")]
-    assert steps == [0, 1, 2, 3], f"rows of the old leader lost: {steps}"
-    summary = [line for line in job.stdout.splitlines() if line.startswith("pretrain.py: done:")]
-    assert len(summary) == 1 and "4 steps" in summary[0] and "live replicas 1/2" in summary[0], job.describe()
+    assert steps == [0, 1], f"rows of the first leader lost: {steps}"
+    assert (run / "checkpoints" / "last").exists()
+
+    resumed = run_mpi(1, [SCRIPT, *common, "++ckpt_path=last"], tmp_path / "resume", timeout=150)
+    assert resumed.returncode == 0, resumed.describe()
+    ledger = read_ledger(run / "ledger.jsonl")
+    assert [line["step"] for line in ledger] == [0, 1, 2] and ledger[-1]["B"] == 8, resumed.describe()
+    verdict = check_ledger(run / "ledger.jsonl", reference=ref / "ledger.jsonl", rtol=1e-4)
+    assert verdict.ok, f"{verdict.problems}\n{resumed.describe()}"
+    assert any(line.startswith("pretrain.py: done: 3 steps") for line in resumed.stdout.splitlines()), resumed.describe()
