@@ -67,6 +67,10 @@ def test_fault_free_matches_single_process_accumulation(fault_free: dict[str, MP
         assert_params_close(p, ref_params, rtol=1e-5, atol=1e-6)
     verdict = check_ledger(job.outdir / "ledger.jsonl")
     assert verdict.ok, verdict.problems
+    # torchmetrics state syncs across all live ranks, not just inside the replica.
+    samples = {res["samples_seen"] for res in job.results().values()}
+    per_mb = 2 * int(args[1])  # --mbs 2 per shard rank
+    assert samples == {float(STEPS * replicas * 2 * per_mb)}, samples
 
 
 def check_recovered_run(job: MPIJob, reference: MPIJob, expect_faults: int) -> list[dict]:

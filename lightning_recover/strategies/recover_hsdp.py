@@ -358,6 +358,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._sync_logger_versions(trainer)
+        self._route_metric_sync(self.lightning_module)
 
     def _validate_trainer(self, trainer: Trainer) -> None:
         if trainer.accumulate_grad_batches != 1:
@@ -413,6 +414,27 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             if hasattr(lg, "_version"):
                 version = lg.version if self.global_rank == 0 else None
                 lg._version = self.broadcast(version, 0)
+
+    def _route_metric_sync(self, module: torch.nn.Module | None) -> None:
+        """torchmetrics syncs over torch's default group, which is replica-local here; send
+        its gathers across the live replicas instead (every rank holds distinct samples;
+        a spare's shadow updates would count twice, so log metrics from contributors)."""
+        try:
+            from torchmetrics import Metric
+        except ImportError:  # pragma: no cover - torchmetrics is a dependency
+            return
+        if module is None:
+            return
+        for m in module.modules():
+            if isinstance(m, Metric):
+                m.dist_sync_fn = self._gather_for_metrics
+                m.distributed_available_fn = lambda: self.comm is not None and self.world_size > 1
+
+    def _gather_for_metrics(self, tensor: Tensor, group: Any | None = None) -> list[Tensor]:
+        assert self.comm is not None
+        comm = self.comm
+        parts = self._ft(lambda: comm.allgather_object(tensor.detach().cpu()))
+        return [p.to(tensor.device) for p in parts]
 
     def model_to_device(self) -> None:
         assert self.model is not None

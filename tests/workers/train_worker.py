@@ -56,6 +56,19 @@ def main() -> None:
     args = parse()
     out = Path(os.environ["LR_TEST_OUT"])
     model, data = build_tiny(args.seed)
+    # Cross-replica metric sync: every rank counts its samples; the synced sum is the global count.
+    from torchmetrics.aggregation import SumMetric
+
+    model.samples_seen = SumMetric()
+    original_step = model.training_step
+
+    def counting_step(batch, batch_idx):  # type: ignore[no-untyped-def]
+        model.samples_seen.update(torch.tensor(float(batch[0].shape[0])))
+        loss = original_step(batch, batch_idx)
+        model.log("loss_synced", loss, sync_dist=True, on_step=True)
+        return loss
+
+    model.training_step = counting_step  # type: ignore[method-assign]
     strategy = ReCoVerHSDPStrategy(
         shards=args.shards, grad_accum=args.grad_accum, target_replicas=args.target, policy=args.policy,
         ledger_path=out / "ledger.jsonl", seed=args.seed, bucket_mb=0.01, min_replicas=args.min_replicas,
@@ -82,6 +95,7 @@ def main() -> None:
     result = {
         "rank": comm.rank, "replica": comm.replica, "epoch": comm.epoch, "alive": list(comm.alive_replicas),
         "global_step": trainer.global_step, "leader": strategy.global_rank == 0, "last": strategy.last_record,
+        "samples_seen": float(model.samples_seen.compute()),
     }
     (out / f"rank{comm.rank}.json").write_text(json.dumps(result))
     strategy.shutdown(exit_code=0)
