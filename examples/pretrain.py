@@ -355,31 +355,10 @@ def build_loggers(run_dir: Path) -> list[Any]:
 
 
 def leader_csv_logger(run_dir: Path) -> Any:
-    """A CSVLogger that survives a change of leader.
+    """CSV rows that survive a change of leader (see lightning_recover.loggers)."""
+    from lightning_recover.loggers import LeaderCSVLogger
 
-    Only the current leader (global rank 0) writes, and the leader can be the replica that
-    dies. Rows go to disk every step, so none is lost with it, and the successor continues
-    the same metrics.csv: Lightning's writer would delete an existing metrics.csv when it
-    is created, i.e. the moment the new leader logs its first row.
-    """
-    from lightning.fabric.loggers.logger import rank_zero_experiment
-    from lightning.pytorch.loggers import CSVLogger
-    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-
-    class ContinuingWriter(ExperimentWriter):
-        def _check_log_dir_exists(self) -> None:  # keep the rows an earlier leader wrote
-            pass
-
-    class LeaderCSVLogger(CSVLogger):
-        @property
-        @rank_zero_experiment
-        def experiment(self) -> Any:
-            if self._experiment is None:
-                self._fs.makedirs(self.root_dir, exist_ok=True)
-                self._experiment = ContinuingWriter(log_dir=self.log_dir)
-            return self._experiment
-
-    return LeaderCSVLogger(run_dir, name="logs", flush_logs_every_n_steps=1)
+    return LeaderCSVLogger(run_dir, name="logs")
 
 
 @functools.cache

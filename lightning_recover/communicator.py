@@ -409,6 +409,20 @@ class FaultTolerantComm:
         except MPI.Exception as exc:
             raise self._fail("barrier", exc) from None
 
+    def broadcast_tensors(self, tensors: Sequence[torch.Tensor], root: int = 0, across: str = "replicas") -> None:
+        """Overwrite ``tensors`` with the root's values, byte for byte (any dtype; CUDA via host)."""
+        comm = self._comm_for(across)
+        for t in tensors:
+            host = t if t.device.type == "cpu" else t.cpu()
+            if not host.is_contiguous():
+                raise ValueError("broadcast_tensors needs contiguous tensors")
+            try:
+                comm.Bcast(host.view(-1).view(torch.uint8).numpy(), root=root)
+            except MPI.Exception as exc:
+                raise self._fail("broadcast", exc) from None
+            if host is not t:
+                t.copy_(host)
+
     def bcast_object(self, obj: object, root: int = 0) -> object:
         """Broadcast a picklable object from current-world rank ``root``."""
         try:

@@ -121,3 +121,16 @@ def test_bad_arguments_named(kwargs: dict, match: str) -> None:
 def test_target_replicas_above_replicas_refused(data: ByteDataset) -> None:
     with pytest.raises(ConfigurationError, match="target_replicas=2 but the job has 1 replicas"):
         fit(ReCoVerHSDPStrategy(target_replicas=2), data)
+
+
+def test_iterable_dataset_with_len_refused() -> None:
+    class SizedStream(IterableDataset):
+        def __len__(self) -> int:
+            return 1000
+
+        def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            while True:
+                yield torch.zeros(32, dtype=torch.long), torch.zeros(32, dtype=torch.long)
+
+    with pytest.raises(ConfigurationError, match="not map-style"):
+        fit(ReCoVerHSDPStrategy(), DataLoader(SizedStream(), batch_size=2))

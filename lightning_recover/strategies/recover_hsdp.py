@@ -359,6 +359,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         self._sync_logger_versions(trainer)
         self._route_metric_sync(self.lightning_module)
+        self._sync_initial_state()
 
     def _validate_trainer(self, trainer: Trainer) -> None:
         if trainer.accumulate_grad_batches != 1:
@@ -415,6 +416,13 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
                 version = lg.version if self.global_rank == 0 else None
                 lg._version = self.broadcast(version, 0)
 
+    def _sync_initial_state(self) -> None:
+        """Every replica starts from the lowest replica's weights, seeded or not (shard by shard)."""
+        assert self.comm is not None and self.model is not None
+        tensors = [_local(t.data) for t in [*self.model.parameters(), *self.model.buffers()]]
+        comm = self.comm
+        self._ft(lambda: comm.broadcast_tensors(tensors, root=0))
+
     def _route_metric_sync(self, module: torch.nn.Module | None) -> None:
         """torchmetrics syncs over torch's default group, which is replica-local here; send
         its gathers across the live replicas instead (every rank holds distinct samples;
@@ -446,7 +454,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         if trainer is None or not trainer.training or isinstance(dataloader, _TicketLoader):
             return dataloader
         dataset = getattr(dataloader, "dataset", None)
-        if dataset is None or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        if dataset is None or iterable or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
             raise ConfigurationError(
                 f"the train dataloader's dataset ({type(dataset).__name__}) is not map-style; lightning-recover fetches "
                 "microbatches by id, so the dataset needs __len__ and __getitem__ (an IterableDataset cannot be replayed)"

@@ -17,13 +17,13 @@ import torch
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_recover.callbacks import FaultInjection, resolve_ckpt_path  # noqa: E402
 from lightning_recover.policy import PolicyError  # noqa: E402
 from lightning_recover.strategies import ReCoVerHSDPStrategy  # noqa: E402
 from lightning_recover.chaos import build_tiny  # noqa: E402
+from lightning_recover.loggers import LeaderCSVLogger  # noqa: E402
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -49,13 +49,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ckpt-every", type=int, default=0)
     ap.add_argument("--min-replicas", type=int, default=1)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--unseeded", action="store_true", help="init weights differently on every rank")
     return ap.parse_args(argv)
 
 
 def main() -> None:
     args = parse()
     out = Path(os.environ["LR_TEST_OUT"])
-    model, data = build_tiny(args.seed)
+    init_seed = args.seed + (int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")) if args.unseeded else 0)
+    model, data = build_tiny(init_seed)
     # Cross-replica metric sync: every rank counts its samples; the synced sum is the global count.
     from torchmetrics.aggregation import SumMetric
 
@@ -76,7 +78,7 @@ def main() -> None:
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,
-        callbacks=[FaultInjection(json.loads(args.faults))], logger=CSVLogger(out, name="logs"),
+        callbacks=[FaultInjection(json.loads(args.faults))], logger=LeaderCSVLogger(out, name="logs"),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=1.0, num_sanity_val_steps=0, log_every_n_steps=1,
     )
