@@ -53,6 +53,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def cpu_busy(seconds: float = 1.0) -> float | None:
+    """Fraction of all cores busy over ``seconds`` (Linux /proc/stat), or None if unknown."""
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+        return sum(vals), idle
+
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1 - (i1 - i0) / max(1, t1 - t0)
+
+
 def iters_for(size_mb: float, iters: int) -> int:
     return iters if iters > 0 else (40 if size_mb <= 16 else 20)
 
@@ -153,7 +170,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------------- driver
-def run_job(nprocs: int, args: argparse.Namespace, outfile: Path) -> None:
+def run_job(nprocs: int, args: argparse.Namespace, outfile: Path) -> str:
+    """Run one benchmark job; returns the mpiexec command line the launcher printed."""
     cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(nprocs), "--",
            sys.executable, str(Path(__file__).resolve()), "--worker", str(outfile),
            "--sizes-mb", *map(str, args.sizes_mb), "--iters", str(args.iters), "--warmup", str(args.warmup)]
@@ -175,6 +193,7 @@ def run_job(nprocs: int, args: argparse.Namespace, outfile: Path) -> None:
             pass
     if proc.returncode != 0 or not outfile.exists():
         raise SystemExit(f"benchmark job with {nprocs} ranks failed (rc={proc.returncode})\n{out[-4000:]}")
+    return next((line[len("[lightning-recover] "):] for line in out.splitlines() if line.startswith("[lightning-recover] ")), "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,18 +202,20 @@ def main(argv: list[str] | None = None) -> int:
         worker(args)
         return 0
     t_start = time.perf_counter()
-    load_before = os.getloadavg()[0]
+    busy_before = cpu_busy()
     rows: list[dict] = []
     meta: dict = {}
+    commands: dict[int, str] = {}
     with tempfile.TemporaryDirectory(prefix="lr-bench-") as tmp:
         for n in args.ranks:
             outfile = Path(tmp) / f"ranks{n}.json"
             t0 = time.perf_counter()
-            run_job(n, args, outfile)
+            launched = run_job(n, args, outfile)
             data = json.loads(outfile.read_text())
             rows += data["results"]
             meta = data["meta"]
-            print(f"[bench] {n} ranks done in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+            commands[n] = launched
+            print(f"[bench] {n} ranks done in {time.perf_counter() - t0:.1f}s", flush=True)
 
     def bw(backend: str, ranks: int, size: float) -> float:
         return next(r["algbw_GBps"] for r in rows if r["backend"] == backend and r["ranks"] == ranks and r["size_mb"] == size)
@@ -225,12 +246,13 @@ def main(argv: list[str] | None = None) -> int:
             g = bw("gloo", n, big)
             print(f"{n:>5} " + " ".join(f"{bw(name, n, big):>7.3f} ({bw(name, n, big) / g:4.2f}x)" for name in sweep))
     cores = os.cpu_count() or 1
-    load_after = os.getloadavg()[0]
+    busy_after = cpu_busy()
     if any(n > cores for n in args.ranks):
         print(f"note: runs with more ranks than the {cores} cores are oversubscribed; expect noise")
-    if load_before > 0.5 * cores:
-        print(f"WARNING: the machine was busy when the benchmark started (1-min load {load_before:.1f} on {cores} cores); "
-              "other processes share the cores, so these numbers are noisy -- rerun on a quiet machine")
+    busiest = max((b for b in (busy_before, busy_after) if b is not None), default=0.0)
+    if busiest > 0.25:
+        print(f"WARNING: other processes kept {busiest:.0%} of the CPUs busy around the benchmark; "
+              "these numbers are noisy -- rerun on a quiet machine")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
@@ -238,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         "ulfm": "FaultTolerantComm.allreduce(across='world'), out-of-place; ulfm_inplace: in place (snapshots each bucket)",
         "ulfm@<B>MB": "out-of-place FaultTolerantComm.allreduce with bucket_bytes = B MiB (sweep, largest size only)",
         "gloo": "torch.distributed.all_reduce on a gloo group over the same ranks, in place",
-        "host": {"cores": os.cpu_count(), "loadavg_1min_before": load_before, "loadavg_1min_after": load_after, "machine": platform.machine(), "python": platform.python_version()},
+        "host": {"cores": os.cpu_count(), "cpu_busy_before": busy_before, "cpu_busy_after": busy_after, "machine": platform.machine(), "python": platform.python_version()},
         "meta": meta,
+        "mpiexec_commands": commands,
         "wall_s": time.perf_counter() - t_start,
         "results": rows,
         "ratios": ratios,
