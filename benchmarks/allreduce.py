@@ -269,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     }, indent=2) + "\n")
     print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
     parts = [f"{r['ulfm_over_gloo']:.2f}x ({r['ranks']} ranks)" for r in ratios if r["size_mb"] == big]
-    print(f"ratio ulfm/gloo bandwidth at {big:g} MB: " + ", ".join(parts))
+    line = f"ratio ulfm/gloo bandwidth at {big:g} MB: " + ", ".join(parts) + f" [bucket {meta['bucket_bytes'] / MB:g} MiB"
+    if sweep:  # the swept bucket size with the best worst-case ratio over the rank counts
+        best = max(sweep, key=lambda name: min(bw(name, n, big) / bw("gloo", n, big) for n in args.ranks))
+        line += f"; best swept bucket {best[5:]}: " + ", ".join(f"{bw(best, n, big) / bw('gloo', n, big):.2f}x" for n in args.ranks)
+    print(line + "]")
     return 0
 
 
