@@ -24,7 +24,6 @@ import hashlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -141,7 +140,8 @@ def job(config_path: str) -> None:
     trainer.fit(model, DataLoader(data, batch_size=SAMPLES_PER_MICROBATCH // cfg["shards"]))
     comm = strategy.comm
     assert comm is not None
-    digest = param_digest(model)
+    with strategy.replica_guard("final parameter gather"):
+        digest = param_digest(model)
     if comm.shard == 0:
         (out / f"rank{comm.rank}.json").write_text(json.dumps({"rank": comm.rank, "replica": comm.replica, "digest": digest}))
     strategy.shutdown(exit_code=0)
@@ -201,7 +201,7 @@ class Outcome:
 
 
 def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) -> Outcome:
-    from lightning_recover.launcher import build_command, launch_env
+    from lightning_recover.launcher import build_command, launch_env, run_supervised
     from lightning_recover.ledger import LedgerWriter, check_ledger, read_ledger
 
     outdir.mkdir(parents=True, exist_ok=True)
@@ -212,19 +212,12 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
     env["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{hang_timeout:g}"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     t0 = time.monotonic()
+    hang = False
     with open(outdir / "job.log", "w") as logf:
-        proc = subprocess.Popen(argv, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
-        hang = False
         try:
-            proc.wait(timeout=bound_s)
+            run_supervised(argv, env, nprocs=run.world, timeout_s=bound_s, stdout=logf, stderr=subprocess.STDOUT)
         except subprocess.TimeoutExpired:
             hang = True
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
     out = Outcome(run, time.monotonic() - t0, hang=hang)
     if hang:
         out.violations.append(f"did not finish within {bound_s:.0f}s")
@@ -247,15 +240,18 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
         out.violations.append(f"ledger has {len(ledger)} steps, expected {run.steps}")
     lost = sorted({r for line in ledger for r in line["faults"]})
     log_text = (outdir / "job.log").read_text(errors="replace")
-    fired = sorted({f["rank"] // run.shards for f in run.faults if f"{f['kind']} rank {f['rank']} at step" in log_text})
-    out.fired, out.recovered = len(fired), len(set(fired) & set(lost))
-    if set(fired) - set(lost):
-        out.violations.append(f"replicas {sorted(set(fired) - set(lost))} were hit but not recorded as lost")
+    hit = [f for f in run.faults if f"{f['kind']} rank {f['rank']} at step" in log_text]
+    # A death between the last commit and the end of training is in no step's faults.
+    late = {f["rank"] // run.shards for f in hit if f["step"] == run.steps - 1 and f["phase"] == "optimizer"}
+    fired = sorted({f["rank"] // run.shards for f in hit})
+    out.fired, out.recovered = len(fired), len(set(fired) & (set(lost) | late))
+    if set(fired) - set(lost) - late:
+        out.violations.append(f"replicas {sorted(set(fired) - set(lost) - late)} were hit but not recorded as lost")
     survivors = {}
     for f in outdir.glob("rank*.json"):
         res = json.loads(f.read_text())
         survivors[res["replica"]] = res["digest"]
-    alive = set(ledger[-1]["replicas"]) if ledger else set()
+    alive = (set(ledger[-1]["replicas"]) if ledger else set()) - late
     if set(survivors) != alive:
         out.violations.append(f"survivor results from replicas {sorted(survivors)} but the ledger ends with {sorted(alive)}")
     if len(set(survivors.values())) > 1:

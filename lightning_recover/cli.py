@@ -8,7 +8,7 @@ import sys
 
 
 def _launch(argv: list[str]) -> int:
-    from lightning_recover.launcher import exec_launch
+    from lightning_recover.launcher import launch
 
     parser = argparse.ArgumentParser(
         prog="lightning-recover launch",
@@ -40,11 +40,10 @@ def _launch(argv: list[str]) -> int:
         os.environ["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{args.hang_timeout:g}"
     detector = args.hang_timeout if args.mpi_detector and args.hang_timeout else None
     try:
-        exec_launch(args.nprocs, command, hang_timeout=detector, extra=args.mpi_arg)
+        return launch(args.nprocs, command, hang_timeout=detector, extra=args.mpi_arg)
     except (ValueError, FileNotFoundError) as exc:
         print(f"lightning-recover launch: {exc}", file=sys.stderr)
         return 2
-    return 0  # pragma: no cover - exec does not return
 
 
 def _check_ledger(argv: list[str]) -> int:

@@ -30,6 +30,7 @@ Nothing here imports Lightning; torch is used only for tensor views.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import signal
@@ -138,6 +139,38 @@ def ulfm_available() -> bool:
     return os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in {"1", "true", "yes", "on"}
 
 
+# Open MPI's runtime drops output a rank wrote just before it was killed: give it a moment.
+_OUTPUT_DRAIN_S = 0.3
+#: How a rank with an uncaught exception leaves (see install_crash_hook).
+CRASH_SIGNAL = signal.SIGKILL
+_hook_installed = False
+
+
+def install_crash_hook() -> None:
+    """Make an uncaught exception end this rank by a signal instead of a non-zero exit.
+
+    Open MPI 5.0.11 with ULFM never finishes aborting a job when a rank exits non-zero:
+    the other ranks are neither killed nor told, and spin forever. A rank killed by a
+    signal is an ordinary ULFM failure instead: the other replicas recover from it (a
+    crash on one node is a replica failure like any other), and if every rank hits the
+    same bug, every rank dies and the job ends. The traceback is printed first.
+    """
+    global _hook_installed
+    if _hook_installed:
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: object) -> None:
+        previous(exc_type, exc, tb)  # type: ignore[arg-type]
+        print(f"[lightning-recover] uncaught {exc_type.__name__}: this rank leaves by {CRASH_SIGNAL.name}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        time.sleep(_OUTPUT_DRAIN_S)
+        os.kill(os.getpid(), CRASH_SIGNAL)
+
+    sys.excepthook = hook
+    _hook_installed = True
+
+
 def _error_class(exc: MPI.Exception) -> int:
     return exc.Get_error_class()
 
@@ -206,6 +239,10 @@ class FaultTolerantComm:
         self.alive_replicas: tuple[int, ...] = tuple(range(layout.replicas))
         # Where every rank runs, so a rank declared dead while merely hung can be fenced off.
         self._procs: list[tuple[str, int]] = self.world.allgather((socket.gethostname(), os.getpid()))
+        if layout.world_size > 1:
+            install_crash_hook()
+        self._mark("started")
+        atexit.register(self._mark, "ok")
         self.lost_ranks: tuple[int, ...] = ()
         self.cuda_aware = False  # Open MPI's pip build reports no CUDA support; stage via host
         #: Called with a point name ("repair:shrunk", ...) -- the hook fault injection uses.
@@ -285,6 +322,7 @@ class FaultTolerantComm:
             file=sys.stderr,
             flush=True,
         )
+        time.sleep(_OUTPUT_DRAIN_S)
         signal.signal(GATE_SIGNAL, signal.SIG_DFL)
         os.kill(os.getpid(), GATE_SIGNAL)
         time.sleep(5)  # the signal is delivered before this returns; never run on as a zombie member
@@ -501,6 +539,15 @@ class FaultTolerantComm:
             return RepairResult(self.epoch, lost, lost_replicas, self.alive_replicas, time.perf_counter() - t0, rounds)
         raise RuntimeError(f"repair did not converge in {max_rounds} rounds; the job cannot continue")
 
+    def _mark(self, what: str) -> None:
+        """Leave a status marker for the launcher (see launcher.ENV_STATUS_DIR)."""
+        directory = os.environ.get("LIGHTNING_RECOVER_STATUS_DIR")
+        if directory and os.path.isdir(directory):
+            try:
+                open(os.path.join(directory, f"{what}.{self.rank}"), "w").close()
+            except OSError:
+                pass
+
     def _fence(self, lost: Sequence[int]) -> None:
         """SIGKILL lost ranks on this host: one the failure detector declared dead may only be
         hung (SIGSTOP, stuck in compute) and must never come back as a zombie member."""
@@ -523,6 +570,8 @@ class FaultTolerantComm:
         self.agree(True)
         self.free()
         if exit_code is not None:
+            if exit_code == 0:
+                self._mark("ok")
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(exit_code)

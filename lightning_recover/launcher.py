@@ -2,8 +2,16 @@
 
 ULFM must be switched on when the job starts; this module builds the one ``mpiexec``
 command line that does so on a workstation or a single node, and documents (in the
-README) the Slurm equivalent. It prints the command before exec-ing it so users can
+README) the Slurm equivalent. It prints the command before running it so users can
 copy it into their own scripts.
+
+It also supervises ``mpiexec``: with ULFM on, Open MPI 5.0.11's runtime never finishes
+aborting a job after a rank exits with a non-zero status or calls ``MPI_Abort`` -- it
+kills the ranks, then waits forever. When every rank of a job ran on this host (the
+supervisor saw all N of them) and none is left while ``mpiexec`` lingers past a grace
+period, the supervisor ends the job's process group and returns :data:`ABORTED_STATUS`,
+so a crashed job fails instead of hanging. (On several hosts the rule is off: ranks
+elsewhere may still be training.)
 """
 
 from __future__ import annotations
@@ -11,7 +19,11 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import signal
+import subprocess
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 
 #: ULFM failure-detector settings: a rank silent for ``timeout`` seconds is declared dead.
@@ -83,7 +95,116 @@ def launch_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def exec_launch(nprocs: int, command: Sequence[str], hang_timeout: float | None = None, extra: Sequence[str] = ()) -> None:
+#: Exit status when the supervisor had to end a job whose ranks were all gone.
+ABORTED_STATUS = 70
+_RUNTIME = {"mpiexec", "mpirun", "prterun", "prte", "prted", "orterun"}
+
+
+def session_ranks(sid: int) -> list[int]:
+    """Live processes of session ``sid`` other than Open MPI's runtime: the job's local ranks."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[3]) == sid and fields[0] != "Z" and name not in _RUNTIME:
+            pids.append(int(entry))
+    return pids
+
+
+def run_supervised(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    nprocs: int | None = None,
+    grace_s: float = 5.0,
+    timeout_s: float | None = None,
+    stdout: object = None,
+    stderr: object = None,
+) -> int:
+    """Run ``mpiexec`` in its own session and return its status (see the module docstring).
+
+    With ``nprocs`` the stuck-abort rule is armed once that many local ranks were seen.
+    ``timeout_s`` ends the job and raises ``subprocess.TimeoutExpired``. Ctrl-C and SIGTERM
+    are forwarded to the whole job.
+    """
+    proc = subprocess.Popen(
+        list(argv), env=dict(env) if env is not None else None, stdout=stdout, stderr=stderr, start_new_session=True
+    )
+
+    def kill_group() -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        seen, empty_since = 0, None
+        while proc.poll() is None:
+            time.sleep(0.25)
+            now = time.monotonic()
+            if nprocs:
+                live = len(session_ranks(proc.pid))
+                seen = max(seen, live)
+                empty_since = (empty_since or now) if seen >= nprocs and live == 0 else None
+                if empty_since is not None and now - empty_since > grace_s and proc.poll() is None:
+                    print(
+                        f"[lightning-recover] all {nprocs} ranks are gone but mpiexec keeps waiting (a stuck abort); "
+                        f"ending it with status {ABORTED_STATUS}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    kill_group()
+                    proc.wait()
+                    return ABORTED_STATUS
+            if deadline is not None and now > deadline:
+                kill_group()
+                proc.wait()
+                raise subprocess.TimeoutExpired(list(argv), timeout_s or 0)
+        return proc.returncode
+    finally:
+        kill_group()  # leftovers (a SIGSTOPped rank) never outlive the job
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+#: Ranks of a fault-tolerant job leave markers here: ``started.R`` when their communicator
+#: comes up, ``ok.R`` when they end normally (a rank killed by a signal writes none).
+ENV_STATUS_DIR = "LIGHTNING_RECOVER_STATUS_DIR"
+
+
+def launch(nprocs: int, command: Sequence[str], hang_timeout: float | None = None, extra: Sequence[str] = ()) -> int:
+    """Run the job and return its status; 1 if ranks started but none of them ended normally.
+
+    With ULFM, mpiexec reports 0 even when every rank died by a signal (each death is a
+    "recoverable" failure); the markers tell a job in which nobody survived.
+    """
+    import tempfile
+
     argv = build_command(nprocs, command, hang_timeout=hang_timeout, extra=extra)
     print("[lightning-recover] " + shlex.join(argv), file=sys.stderr, flush=True)
-    os.execvpe(argv[0], argv, launch_env())
+    env = launch_env()
+    with tempfile.TemporaryDirectory(prefix="lightning-recover-status-") as status_dir:
+        env[ENV_STATUS_DIR] = status_dir
+        status = run_supervised(argv, env, nprocs=nprocs)
+        names = os.listdir(status_dir)
+        if status == 0 and any(n.startswith("started.") for n in names) and not any(n.startswith("ok.") for n in names):
+            print("[lightning-recover] every rank of the job failed; exiting with status 1", file=sys.stderr, flush=True)
+            return 1
+    return status

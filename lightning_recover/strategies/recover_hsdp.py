@@ -514,7 +514,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         gid = self.planner.global_id(self._step, offset)
         torch.manual_seed(self.planner.rng_seed(gid, self.comm.shard))
         batch = self._fetch(offset)
-        with self._replica_guard("forward"):
+        with self.replica_guard("forward"):
             out = super().training_step(batch, self._batch_idx)
         loss = out["loss"] if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor):
@@ -527,7 +527,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._inject("backward", microbatch=self._mb_counter)
         self._tick()
         self._mb_counter += 1
-        with self._replica_guard("backward"):
+        with self.replica_guard("backward"):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def _run_microbatch(self, offset: int, optimizer: Optimizer) -> None:
@@ -687,9 +687,19 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             lm.log("faults", float(self.faults_seen), prog_bar=True, on_step=True, rank_zero_only=True)
 
     # ------------------------------------------------------------------ ledger
-    def _write_ledger(self, record: dict[str, Any]) -> None:
+    def _write_ledger(self, record: dict[str, Any] | None) -> None:
+        """Leader only. ``None`` writes just the backlog: committed steps an old leader did not record."""
         if self.ledger_path is None or self.global_rank != 0:
             return
+        if record is None:
+            if not self._history:
+                return
+            if self._ledger is not None:
+                return  # this rank has led all along: nothing is missing
+            record = self._history[-1]
+            done = {line["step"] for line in read_ledger(self.ledger_path)} if os.path.exists(self.ledger_path) else set()
+            if record["step"] in done:
+                return
         if self._ledger is None and self._resume is not None and not self._ledger_leader:
             # Resumed: steps after the checkpoint are redone, so their old lines go.
             keep = [line for line in read_ledger(self.ledger_path) if line["step"] < record["step"]] if os.path.exists(self.ledger_path) else []
@@ -716,8 +726,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
                 cb.at(phase, step=self._step, rank=self.comm.rank, microbatch=microbatch, bucket=bucket)
 
     @contextmanager
-    def _replica_guard(self, where: str) -> Iterator[None]:
-        """A communication error inside the replica means a replica-mate died: leave via the gate."""
+    def replica_guard(self, where: str) -> Iterator[None]:
+        """A communication error inside the replica means a replica-mate died: leave via the gate.
+
+        Wrap your own replica-local collectives in it (e.g. gathering full parameters after
+        ``fit``), so a partner's death there never becomes a crash of this rank."""
         try:
             yield
         except Exception as exc:
@@ -845,7 +858,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
     def _replica_barrier(self, where: str) -> None:
         if self.shards > 1:
-            with self._replica_guard(where):
+            with self.replica_guard(where):
                 dist.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -902,7 +915,13 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             dist.destroy_process_group()
         if self.comm is not None:
             with self._collective():
-                self.comm.agree(True)
+                if not self.comm.agree(True):
+                    # A replica died after the last commit (e.g. the leader before writing its
+                    # ledger line): repair, and let a new leader record what is missing.
+                    res = self.comm.repair()
+                    self._on_membership_change(res.lost_replicas)
+                    self._write_ledger(None)
+                    self.comm.agree(True)
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.comm is not None:

@@ -91,7 +91,8 @@ def main() -> None:
         os._exit(3)
     comm = strategy.comm
     assert comm is not None
-    params = full_params(model)
+    with strategy.replica_guard("final parameter gather"):
+        params = full_params(model)
     if comm.shard == 0:
         torch.save(params, out / f"params{comm.rank}.pt")
     result = {
