@@ -15,7 +15,7 @@ the last line printed is the headline ratio at 64 MB.
 
 Options: ``--sizes-mb 4 64``, ``--ranks 2 4``, ``--iters``, ``--warmup``,
 ``--bucket-mb`` (bucket size of the FaultTolerantComm; default: the library default,
-25 MB) and ``--timeout`` (seconds per mpiexec job).
+4 MiB) and ``--timeout`` (seconds per mpiexec job).
 """
 
 from __future__ import annotations
