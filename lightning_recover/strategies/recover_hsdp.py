@@ -247,7 +247,6 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._losses: dict[int, float] = {}
         self._mb_counter = 0
         self._batch_idx = 0
-        self._optimizer: Optimizer | None = None
         self._step_t0 = 0.0
         self._step_faults: list[int] = []
         self._recovery_s = 0.0
@@ -326,8 +325,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     def _init_replica_group(self) -> None:
         """torch's default group = this replica's S ranks, on a store hosted by its shard 0."""
         assert self.comm is not None and self.layout is not None
-        host = socket.gethostname()
-        addr = "127.0.0.1" if self._single_host() else socket.gethostbyname(host)
+        addr = "127.0.0.1" if self._single_host() else socket.gethostbyname(socket.gethostname())
         port = _free_port() if self.comm.shard == 0 else 0
         table = self.comm.allgather_object((addr, port))
         leader = self.layout.rank_of(self.comm.replica, 0)
@@ -608,7 +606,6 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             pause = time.perf_counter() - t_fail
             self._pauses.append(pause)
             self._recovery_s += pause
-        self._plan_divisor = self._plan.divisor
         self._step_loss = float(loss_out[0]) / max(1.0, float(loss_out[1]))
         self._snapshot.commit(local, self._plan.divisor * self.shards)
         return self._plan.divisor
