@@ -15,7 +15,13 @@ the last line printed is the headline ratio at 64 MB.
 
 Options: ``--sizes-mb 4 64``, ``--ranks 2 4``, ``--iters``, ``--warmup``,
 ``--bucket-mb`` (bucket size of the FaultTolerantComm; default: the library default,
-4 MiB) and ``--timeout`` (seconds per mpiexec job).
+4 MiB), ``--sweep-buckets-mb`` (bucket sizes also timed at the largest buffer size) and
+``--timeout`` (seconds per mpiexec job).
+
+Run it on a quiet machine. MPI's shared-memory path needs its ranks on a core at the same
+time; when other processes compete for the cores its large-message bandwidth collapses
+far more than gloo's (TCP loopback, kernel-buffered). The script measures the CPU load
+around the run, stores it in the JSON and warns when it was busy.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=0, help="timed iterations per size (0: 40 for <=16 MiB, else 20)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations per size and backend")
     p.add_argument("--bucket-mb", type=float, default=None, help="FaultTolerantComm bucket size in MiB (default: library default)")
-    p.add_argument("--sweep-buckets-mb", type=float, nargs="*", default=[1, 4, 16, 64],
+    p.add_argument("--sweep-buckets-mb", type=float, nargs="*", default=[1, 4, 16, 25, 64],
                    help="extra bucket sizes timed (out-of-place) at the largest buffer size; none to skip")
     p.add_argument("--timeout", type=float, default=150, help="hard timeout per mpiexec job in seconds")
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON results file")

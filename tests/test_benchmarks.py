@@ -1,0 +1,109 @@
+"""Smoke tests of benchmarks/overhead.py, benchmarks/goodput.py and their launched job (tiny settings).
+
+The pure helpers run without MPI; the ``mpi`` tests launch 2-rank jobs of
+``benchmarks/bench_job.py`` (a few seconds each on an idle machine).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import goodput  # noqa: E402
+import overhead  # noqa: E402
+
+
+def test_kill_plan_lands_every_k_steps_on_distinct_replicas() -> None:
+    args = goodput.parse_args(["--steps", "30", "--every", "10"])
+    assert goodput.kill_plan(args) == [{"step": 11, "rank": 3}, {"step": 21, "rank": 2}]
+    with pytest.raises(SystemExit, match="does not land"):
+        goodput.kill_plan(goodput.parse_args(["--steps", "21", "--every", "10"]))
+
+
+def test_projection_scales_post_failure_steps_by_the_busiest_quota() -> None:
+    run = {"wall_s": 20.0, "step_time_s": [1.0, 1.0, 1.0, 1.0], "G_cur": [2, 3, 3, 4], "extra": [0, 2, 0, 2],
+           "replicas": [4, 3, 3, 2]}
+    # 1 + 1.5 + 1.5 + 2 = 6 s of steps instead of 4: the wall grows by 2 s.
+    assert goodput.projected_recover_wall(run, G=2) == pytest.approx(22.0)
+
+
+def test_loss_deviation_compares_common_steps() -> None:
+    ref = {"loss": {0: 5.0, 1: 4.0, 2: 3.0}}
+    run = {"loss": {0: 5.0, 1: 4.5, 2: 3.25}}
+    dev = goodput.loss_deviation(run, ref)
+    assert dev["max_abs"] == pytest.approx(0.5) and dev["final_abs"] == pytest.approx(0.25)
+    assert goodput.loss_deviation(run, None)["max_abs"] is None
+
+
+def test_read_jsonl_skips_a_line_torn_by_a_kill(tmp_path: Path) -> None:
+    p = tmp_path / "loss.jsonl"
+    p.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "lo')
+    assert goodput.read_jsonl(p) == [{"step": 0, "loss": 1.0}]
+    assert goodput.read_jsonl(tmp_path / "missing.jsonl") == []
+
+
+def test_newest_checkpoint_counts_versioned_names(tmp_path: Path) -> None:
+    import bench_job
+
+    for name in ("ckpt-step=4.ckpt", "ckpt-step=6.ckpt", "ckpt-step=4-v1.ckpt"):
+        (tmp_path / name).write_text("x")
+    assert Path(bench_job.newest_checkpoint(tmp_path)).name == "ckpt-step=6.ckpt"
+    assert goodput.newest_step(tmp_path) == 6
+    assert bench_job.newest_checkpoint(tmp_path / "none") is None
+
+
+def test_bootstrap_interval_brackets_the_ratio() -> None:
+    a = [1.0, 1.1, 0.9, 1.05, 0.95] * 4
+    b = [2.0, 2.2, 1.8, 2.1, 1.9] * 4
+    lo, hi = overhead.bootstrap_ratio(a, b, n=300)
+    assert lo <= 0.5 <= hi and hi < 0.7
+
+
+def _losses(path: Path) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for line in path.read_text().splitlines():
+        d = json.loads(line)
+        out[d["step"]] = d["loss"]
+    return out
+
+
+@pytest.mark.mpi
+def test_stock_and_recover_jobs_train_on_the_same_samples(tmp_path: Path) -> None:
+    """2 ranks, 2 x 1: the stock ModelParallelStrategy job and the ReCoVer job follow one loss trajectory."""
+    common = ["--shards", "1", "--grad-accum", "2", "--mbs", "2", "--steps", "3", "--size", "tiny", "--corpus-bytes", "200000"]
+    stock = overhead.launch(["--system", "stock", "--record-loss", *common], tmp_path / "stock", 90, nprocs=2)
+    assert stock["rc"] == 0, stock["log_tail"]
+    rec = overhead.launch(["--system", "recover", *common], tmp_path / "recover", 90, nprocs=2)
+    assert rec["rc"] == 0, rec["log_tail"]
+    ref = {d["step"]: d["loss"] for d in goodput.read_jsonl(tmp_path / "recover" / "ledger.jsonl")}
+    got = _losses(tmp_path / "stock" / "loss.jsonl")
+    assert sorted(got) == sorted(ref) == [0, 1, 2]
+    for s in ref:
+        assert got[s] == pytest.approx(ref[s], abs=1e-5)
+    for d in ("stock", "recover"):
+        clock = json.loads((tmp_path / d / "clock.json").read_text())
+        assert clock["steps"] == [1, 2, 3] and len(clock["intervals_s"]) == 2
+
+
+@pytest.mark.mpi
+def test_checkpoint_restart_job_dies_once_and_resumes_from_the_newest_checkpoint(tmp_path: Path) -> None:
+    """Plain mpiexec: the kill aborts the job; the relaunch resumes at the step-2 checkpoint and finishes."""
+    args = ["--system", "cr", "--shards", "1", "--grad-accum", "2", "--mbs", "2", "--steps", "4", "--size", "tiny",
+            "--corpus-bytes", "200000", "--ckpt-every", "2", "--kills", json.dumps([{"step": 3, "rank": 1}]), "--record-loss"]
+    first = overhead.launch(args, tmp_path, 90, ft=False, nprocs=2)
+    assert first["rc"] != 0 and (tmp_path / "kill0.marker").exists()
+    assert goodput.newest_step(tmp_path / "ckpt") == 2
+    second = overhead.launch(args, tmp_path, 90, ft=False, nprocs=2)
+    assert second["rc"] == 0, second["log_tail"]
+    lines = goodput.read_jsonl(tmp_path / "loss.jsonl")
+    # steps 0, 1, 2 before the kill in step 3; step 2 is redone after resuming from the step-2 checkpoint
+    assert [d["step"] for d in lines] == [0, 1, 2, 2, 3]
+    assert lines[2]["loss"] == pytest.approx(lines[3]["loss"], abs=1e-6)
+    starts = goodput.read_jsonl(tmp_path / "starts.jsonl")
+    assert [s["step"] for s in starts] == [0, 2]
