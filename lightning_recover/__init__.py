@@ -5,8 +5,12 @@ Layers (see DESIGN.md):
   policy        versatile workload (constant B, spares, boundary steps)
   planner       exactly-once microbatch ids -> samples, per-microbatch RNG
   ledger        one JSON line per committed step, and its checker
+  watchdog      hang detection: heartbeats, same-host kill of stopped ranks
   strategies    the Lightning strategy that ties them together
-  callbacks     snapshots, epoch checks, boundary scheduling, fault injection
+  callbacks     snapshots, epoch checks, boundary scheduling, fault injection, checkpoints
+  loggers       CSV logs a new leader continues
+  launcher/cli  lightning-recover launch | check-ledger | chaos | demo
+  goodput       the discrete-event goodput model behind benchmarks/simulate.py
 """
 
 __version__ = "0.1.0"
