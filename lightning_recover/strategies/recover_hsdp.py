@@ -128,12 +128,6 @@ class ReplicaEnvironment(ClusterEnvironment):
         return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
-
-
 def _local(t: Tensor) -> Tensor:
     """The local shard of a DTensor (a view), or the tensor itself."""
     return t.to_local() if hasattr(t, "to_local") else t
@@ -326,13 +320,16 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         """torch's default group = this replica's S ranks, on a store hosted by its shard 0."""
         assert self.comm is not None and self.layout is not None
         addr = "127.0.0.1" if self._single_host() else socket.gethostbyname(socket.gethostname())
-        port = _free_port() if self.comm.shard == 0 else 0
-        table = self.comm.allgather_object((addr, port))
-        leader = self.layout.rank_of(self.comm.replica, 0)
-        master_addr, master_port = table[leader]  # type: ignore[misc]
-        store = dist.TCPStore(
-            master_addr, int(master_port), self.shards, is_master=self.comm.shard == 0, timeout=timedelta(seconds=self.timeout_s)
-        )
+        timeout = timedelta(seconds=self.timeout_s)
+        store = None
+        if self.comm.shard == 0:
+            # Port 0: the OS picks a free port at bind time, so no other process can take it
+            # between choosing and binding; the port actually bound is then shared.
+            store = dist.TCPStore(addr, 0, self.shards, is_master=True, timeout=timeout, wait_for_workers=False)
+        table = self.comm.allgather_object((addr, store.port if store is not None else 0))
+        master_addr, master_port = table[self.layout.rank_of(self.comm.replica, 0)]  # type: ignore[misc]
+        if store is None:
+            store = dist.TCPStore(master_addr, int(master_port), self.shards, is_master=False, timeout=timeout)
         backend = "nccl" if self.root_device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend, store=store, rank=self.comm.shard, world_size=self.shards, timeout=timedelta(seconds=self.timeout_s)
