@@ -34,7 +34,7 @@ def _launch(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if args.hang_timeout is not None:
-        if args.hang_timeout < 0:
+        if not args.hang_timeout >= 0 or args.hang_timeout == float("inf"):
             print(f"lightning-recover launch: --hang-timeout must be >= 0 seconds, got {args.hang_timeout:g}", file=sys.stderr)
             return 2
         os.environ["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{args.hang_timeout:g}"

@@ -402,7 +402,7 @@ class FaultTolerantComm:
     def _reduce_bucket(self, comm: MPI.Comm, bucket: Bucket, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
         if len(bucket.segments) == 1:
             ti, s, e = bucket.segments[0]
-            a, b = src[ti], dst[ti]
+            a, b = src[ti].detach(), dst[ti].detach()
             if a.dtype in _NATIVE and a.device.type == "cpu" and b.device.type == "cpu":
                 # Zero-copy: MPI reads and writes the tensors' own memory.
                 send = a.view(-1)[s:e].numpy()
@@ -419,12 +419,12 @@ class FaultTolerantComm:
         stage = torch.empty(bucket.numel, dtype=_WIDEN.get(dtype, dtype))
         off = 0
         for ti, s, e in bucket.segments:
-            stage[off : off + e - s].copy_(src[ti].reshape(-1)[s:e])
+            stage[off : off + e - s].copy_(src[ti].detach().reshape(-1)[s:e])
             off += e - s
         comm.Allreduce(MPI.IN_PLACE, stage.numpy(), MPI.SUM)
         off = 0
         for ti, s, e in bucket.segments:
-            dst[ti].view(-1)[s:e].copy_(stage[off : off + e - s])
+            dst[ti].detach().view(-1)[s:e].copy_(stage[off : off + e - s])
             off += e - s
 
     def agree(self, flag: bool = True) -> bool:

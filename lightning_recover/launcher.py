@@ -16,6 +16,7 @@ elsewhere may still be training.)
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import shutil
@@ -28,7 +29,7 @@ from collections.abc import Mapping, Sequence
 
 #: ULFM failure-detector settings: a rank silent for ``timeout`` seconds is declared dead.
 def detector_flags(hang_timeout: float) -> list[str]:
-    if hang_timeout <= 0:
+    if not (hang_timeout > 0 and math.isfinite(hang_timeout)):
         raise ValueError(f"--hang-timeout must be > 0 seconds, got {hang_timeout}")
     period = max(0.1, min(1.0, hang_timeout / 4))
     return [
