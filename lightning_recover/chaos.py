@@ -198,6 +198,8 @@ class Outcome:
     recovered: int = 0
     violations: list[str] = field(default_factory=list)
     pauses: list[float] = field(default_factory=list)
+    #: Per fired SIGSTOP: how long the survivors were blocked before the watchdog's kill freed them.
+    detects: list[float] = field(default_factory=list)
 
 
 def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) -> Outcome:
@@ -257,6 +259,10 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
     if len(set(survivors.values())) > 1:
         out.violations.append("surviving replicas hold different parameters")
     out.pauses = [p for line in ledger for p in line.get("pauses_s", [])]
+    for f in hit:
+        if f["kind"] == "hang":
+            when = [line.get("detect_s", 0.0) for line in ledger if f["rank"] // run.shards in line["faults"]]
+            out.detects.extend(when[:1])
     return out
 
 
@@ -280,11 +286,14 @@ def summary(outcomes: list[Outcome]) -> str:
     hangs = sum(1 for o in outcomes if o.hang)
     pauses = sorted(p for o in outcomes for p in o.pauses)
     med = pauses[len(pauses) // 2] if pauses else float("nan")
+    detects = sorted(d for o in outcomes for d in o.detects)
     rows = [
         ("runs", len(outcomes)), ("faults scheduled", faults), ("faults injected (fired)", fired),
         ("recovered", recovered), ("violations", violations), ("hangs", hangs),
         ("median recovery pause", f"{med:.3f}s"),
     ]
+    if detects:
+        rows.append(("SIGSTOP detection (blocked)", f"n={len(detects)} median {detects[len(detects) // 2]:.2f}s max {detects[-1]:.2f}s"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

@@ -9,13 +9,20 @@ Open MPI 5.0.11 this project is tested with; so the default is this watchdog ins
 Every rank runs a daemon thread that, every ``period`` seconds,
 
 * publishes a heartbeat file (``<dir>/<rank>.json``: time, pid, process start time,
-  progress counter, whether the rank is waiting in a collective), and
+  progress counter, whether the rank is *computing*), and
 * reads the files of the other ranks on its host. A rank whose heartbeat is older than
-  ``hang_timeout`` is hung (a stopped process runs no thread); with ``stuck_timeout`` set,
-  a rank whose progress counter has not moved for that long while *not* waiting in a
-  collective is stuck in compute. Either way the watcher SIGKILLs it -- after checking
-  that the pid still belongs to the same process -- and ULFM then reports an ordinary
-  death to the survivors, who repair as for any failure.
+  ``hang_timeout`` is hung (a stopped process runs no thread). A rank that has been
+  computing for ``stuck_timeout`` without its progress counter moving is stuck in
+  compute (its heartbeat thread lives on, so only the progress rule can see it). Either
+  way the watcher SIGKILLs it -- after checking that the pid still belongs to the same
+  process -- and ULFM then reports an ordinary death to the survivors, who repair as for
+  any failure.
+
+*Computing* is narrow on purpose: the strategy raises it only inside a training step
+(microbatches, gradient bookkeeping, the optimizer update) and lowers it while the rank
+waits in MPI and between steps. So data loading between steps, validation, logging and
+checkpoint writes never count as stuck, however long they take; only a single forward,
+backward, bucket or optimizer update longer than ``stuck_timeout`` does.
 
 Only ranks on the same host can be killed; a node running a single rank needs Open MPI's
 detector (``lightning-recover launch --mpi-detector``). Pure standard library.
@@ -93,7 +100,8 @@ class HangWatchdog:
         self.dir = directory or job_directory()
         self.on_kill = on_kill
         self.progress = 0
-        self.in_collective = False
+        #: Raised by the strategy while this rank computes inside a step (see the module docstring).
+        self.computing = False
         self.killed: dict[int, str] = {}
         self._pid = os.getpid()
         self._start = _start_time(self._pid)
@@ -137,7 +145,7 @@ class HangWatchdog:
     def _publish(self) -> None:
         beat = {
             "rank": self.rank, "pid": self._pid, "start": self._start, "time": time.time(),
-            "progress": self.progress, "in_collective": self.in_collective,
+            "progress": self.progress, "computing": self.computing,
         }
         tmp = self.dir / f".{self.rank}.tmp"
         tmp.write_text(json.dumps(beat))
@@ -159,10 +167,13 @@ class HangWatchdog:
             elif self.stuck_timeout is not None:
                 prog = int(beat["progress"])
                 last = self._seen.get(rank)
-                if last is None or last[0] != prog or beat["in_collective"]:
+                if last is None or last[0] != prog or not beat.get("computing", False):
                     self._seen[rank] = (prog, now)
                 elif now - last[1] > self.stuck_timeout:
-                    reason = f"no progress for {now - last[1]:.1f}s outside a collective (> {self.stuck_timeout:g}s): stuck in compute"
+                    reason = (
+                        f"no progress for {now - last[1]:.1f}s while computing (> {self.stuck_timeout:g}s): stuck in compute; "
+                        "raise stuck_timeout_s (recover.stuck_timeout_s) if one microbatch legitimately takes longer"
+                    )
             if reason is not None:
                 self._kill(rank, int(beat["pid"]), beat.get("start"), reason)
 

@@ -111,11 +111,22 @@ def test_dataset_too_small_refused() -> None:
         ({"grad_accum": 0}, "grad_accum must be >= 1, got 0"),
         ({"policy": "elastic"}, "unknown policy 'elastic'"),
         ({"shards": 0}, "shards must be a positive integer, got 0"),
+        ({"stuck_timeout_s": -1.0}, r"stuck_timeout_s must be >= 0 seconds \(0 = off\), got -1.0"),
     ],
 )
 def test_bad_arguments_named(kwargs: dict, match: str) -> None:
     with pytest.raises(ConfigurationError, match=match):
         ReCoVerHSDPStrategy(**kwargs)
+
+
+def test_stuck_detection_defaults_to_the_hang_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("LIGHTNING_RECOVER_HANG_TIMEOUT", raising=False)
+    assert ReCoVerHSDPStrategy().stuck_timeout_s == 10.0
+    assert ReCoVerHSDPStrategy(hang_timeout_s=4).stuck_timeout_s == 4
+    assert ReCoVerHSDPStrategy(hang_timeout_s=4, stuck_timeout_s=30).stuck_timeout_s == 30
+    assert ReCoVerHSDPStrategy(stuck_timeout_s=0).stuck_timeout_s is None
+    monkeypatch.setenv("LIGHTNING_RECOVER_HANG_TIMEOUT", "0")
+    assert ReCoVerHSDPStrategy().stuck_timeout_s is None  # hang detection off: the watchdog is off
 
 
 def test_target_replicas_above_replicas_refused(data: ByteDataset) -> None:

@@ -169,6 +169,19 @@ def test_hung_rank_is_detected_killed_and_removed(tmp_path: Path, fault_free: di
     print(f"hang detected after {ledger[1]['detect_s']:.2f}s (watchdog timeout 4 s)")
 
 
+def test_rank_stuck_in_compute_is_killed_but_slow_work_between_steps_is_not(tmp_path: Path, fault_free: dict[str, MPIJob]) -> None:
+    # Rank 2 spins forever inside a backward (alive, heart-beating); rank 0 sleeps 7 s between
+    # steps 0 and 1, longer than the 4 s stuck timeout, which must not count.
+    faults = [{"step": 1, "rank": 2, "phase": "backward", "kind": "stuck"}]
+    argv = [WORKER, "--steps", str(STEPS), "--faults", json.dumps(faults), "--pause", "0:7"]
+    job = run_mpi(4, argv, tmp_path, timeout=240, hang_timeout=4)
+    ledger = check_recovered_run(job, fault_free["4x1"], expect_faults=1)
+    assert "killing rank 2" in job.stderr and "stuck in compute" in job.stderr, job.describe()
+    assert "killing rank 0" not in job.stderr, job.describe()
+    assert ledger[1]["faults"] == [2]
+    print(f"stuck rank detected after {ledger[1]['detect_s']:.2f}s of waiting in the reduce (stuck timeout 4 s)")
+
+
 def test_checkpoint_fallback_and_resume_on_fewer_replicas(tmp_path: Path) -> None:
     from reference import reference_run
 

@@ -58,15 +58,15 @@ def test_stopped_peer_is_killed(tmp_path: Path) -> None:
 
 def test_stuck_in_compute_needs_progress_rule(tmp_path: Path) -> None:
     # A peer that heart-beats but never ticks and is not in a collective.
-    (tmp_path / "1.json").write_text(json.dumps({"rank": 1, "pid": 999999, "start": None, "time": time.time() + 3600, "progress": 5, "in_collective": False}))
+    (tmp_path / "1.json").write_text(json.dumps({"rank": 1, "pid": 999999, "start": None, "time": time.time() + 3600, "progress": 5, "computing": True}))
     dog = HangWatchdog(0, 5.0, stuck_timeout=0.3, period=0.05, directory=tmp_path).start()
     time.sleep(0.8)
     dog.stop()
     assert "stuck in compute" in dog.killed.get(1, ""), dog.killed
 
 
-def test_waiting_in_a_collective_is_not_stuck(tmp_path: Path) -> None:
-    (tmp_path / "1.json").write_text(json.dumps({"rank": 1, "pid": 999999, "start": None, "time": time.time() + 3600, "progress": 5, "in_collective": True}))
+def test_waiting_or_between_steps_is_not_stuck(tmp_path: Path) -> None:
+    (tmp_path / "1.json").write_text(json.dumps({"rank": 1, "pid": 999999, "start": None, "time": time.time() + 3600, "progress": 5, "computing": False}))
     dog = HangWatchdog(0, 5.0, stuck_timeout=0.3, period=0.05, directory=tmp_path).start()
     time.sleep(0.8)
     dog.stop()

@@ -2,8 +2,9 @@
 
 Schedule entries are ``{step, rank, phase, kind}`` with optional ``microbatch`` and
 ``bucket``. ``rank`` is an ORIGINAL world rank; ``step`` the optimizer step (0-based);
-``phase`` one of forward | backward | reduce | optimizer; ``kind`` kill (SIGKILL) or hang
-(SIGSTOP). ``microbatch`` pins forward/backward to the k-th microbatch (0-based) this
+``phase`` one of forward | backward | reduce | optimizer; ``kind`` kill (SIGKILL), hang
+(SIGSTOP: no thread of the process runs) or stuck (the main thread spins forever in Python
+while the process stays alive, like a rank wedged in compute). ``microbatch`` pins forward/backward to the k-th microbatch (0-based) this
 replica computes in that step; ``bucket`` pins reduce to that bucket index (default 0).
 The strategy calls :meth:`FaultInjection.at` at each point; an entry fires once.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +22,8 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 PHASES = ("forward", "backward", "reduce", "optimizer")
-KINDS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+KINDS = ("kill", "hang", "stuck")
+_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 
 
 @dataclass(frozen=True)
@@ -48,7 +51,7 @@ class FaultSpec:
         if phase not in PHASES:
             raise ValueError(f"fault.schedule[{index}].phase={phase!r} is not one of {PHASES}")
         if kind not in KINDS:
-            raise ValueError(f"fault.schedule[{index}].kind={kind!r} is not one of {tuple(KINDS)}")
+            raise ValueError(f"fault.schedule[{index}].kind={kind!r} is not one of {KINDS}")
         ints = {}
         for key in ("step", "rank", "microbatch", "bucket"):
             v = entry.get(key)
@@ -84,4 +87,16 @@ class FaultInjection(Callback):
                 file=sys.stderr,
                 flush=True,
             )
-            os.kill(os.getpid(), KINDS[spec.kind])
+            if spec.kind == "stuck":
+                _spin_forever()
+            os.kill(os.getpid(), _SIGNALS[spec.kind])
+
+
+def _spin_forever() -> None:
+    # Busy, like a wedged kernel loop; the interpreter still lets other threads (the
+    # watchdog's heartbeat) run, so only the progress rule can tell this rank is stuck.
+    x = 0
+    while True:
+        for _ in range(100_000):
+            x += 1
+        time.sleep(0)

@@ -168,8 +168,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         hang_timeout_s: a rank whose heartbeat stops this long is killed and its replica
             removed (:mod:`lightning_recover.watchdog`); default: the launcher's
             ``--hang-timeout``, else 10 s. ``0`` turns hang detection off.
-        stuck_timeout_s: also kill a rank that makes no progress (microbatch, bucket) for
-            this long outside a collective; off by default, set it above your slowest microbatch.
+        stuck_timeout_s: also kill a rank that is computing inside a step but makes no
+            progress (one forward, backward, gradient bucket or optimizer update) for this
+            long; default: the hang timeout. Waiting in MPI and everything between steps
+            (data loading, validation, checkpoints) never counts. ``0`` turns it off; set
+            it above your slowest single forward or backward.
         checkpoint_dir: where the leader replica writes fallback checkpoints (None: none).
         checkpoint_every_n_steps: checkpoint period in committed steps.
 
@@ -215,7 +218,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.seed = seed
         self.timeout_s = timeout_s
         self.hang_timeout_s = default_hang_timeout() if hang_timeout_s is None else (hang_timeout_s or None)
-        self.stuck_timeout_s = stuck_timeout_s
+        if stuck_timeout_s is not None and not stuck_timeout_s >= 0:
+            raise ConfigurationError(f"stuck_timeout_s must be >= 0 seconds (0 = off), got {stuck_timeout_s}; set recover.stuck_timeout_s")
+        self.stuck_timeout_s = self.hang_timeout_s if stuck_timeout_s is None else (stuck_timeout_s or None)
         self.watchdog: HangWatchdog | None = None
         if checkpoint_dir is not None and checkpoint_every_n_steps < 1:
             raise ConfigurationError(
@@ -484,8 +489,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             return super().training_step(*args, **kwargs)
         self._batch_idx = args[1] if len(args) > 1 else 0
         self._begin_step()
-        mine = self._my_plan()
-        return self._forward(mine.ids[0])
+        with self._disarm_on_error():
+            return self._forward(self._my_plan().ids[0])
 
     def _begin_step(self) -> None:
         assert self.policy is not None and self.comm is not None
@@ -496,6 +501,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._step_faults, self._recovery_s, self._pauses, self._detect_s = [], 0.0, [], 0.0
         self._boundary.begin_step()
         self._epoch_check.begin_step()
+        self._set_computing(True)
 
     def _my_plan(self) -> ReplicaPlan:
         assert self._plan is not None
@@ -534,14 +540,17 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self, optimizer: Optimizer, closure: Callable[[], Any], model: LightningModule | torch.nn.Module | None = None, **kwargs: Any
     ) -> Any:
         model = model or self.lightning_module
-        result = closure()  # training_step(ticket) -> first microbatch, zero_grad, backward
-        for offset in self._my_plan().ids[1:]:
-            self._run_microbatch(offset, optimizer)
-        divisor = self._reduce_until_committed(optimizer)
-        self._after_reduce_hooks(model, optimizer)  # type: ignore[arg-type]
-        self._inject("optimizer")
-        out = optimizer.step(**kwargs)
-        self._finish_step(divisor)
+        with self._disarm_on_error():
+            result = closure()  # training_step(ticket) -> first microbatch, zero_grad, backward
+            for offset in self._my_plan().ids[1:]:
+                self._run_microbatch(offset, optimizer)
+            divisor = self._reduce_until_committed(optimizer)
+            self._after_reduce_hooks(model, optimizer)  # type: ignore[arg-type]
+            self._inject("optimizer")
+            self._tick()
+            out = optimizer.step(**kwargs)
+            self._set_computing(False)  # between steps nothing counts as stuck (module docstring of watchdog)
+            self._finish_step(divisor)
         return result if result is not None else out
 
     def _after_reduce_hooks(self, model: LightningModule, optimizer: Optimizer) -> None:
@@ -565,12 +574,6 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         """Reduce, agree, and on failure repair + recompute until one membership commits. Returns the divisor."""
         assert self.comm is not None and self.policy is not None and self._plan is not None
         comm = self.comm
-        with self._collective():
-            return self._reduce_loop(optimizer)
-
-    def _reduce_loop(self, optimizer: Optimizer) -> int:
-        assert self.comm is not None and self.policy is not None and self._plan is not None
-        comm = self.comm
         local = self._local_grads()
         out = self._snapshot.buffers(local)
         handle = comm.plan(local)
@@ -585,15 +588,18 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             )
             t_attempt = time.perf_counter()
             try:
-                comm.allreduce(sent, out, handle=handle, on_bucket=self._on_bucket)
-                comm.allreduce([loss_in], [loss_out], across="world")
+                with self._waiting():
+                    comm.allreduce(sent, out, handle=handle, on_bucket=self._on_bucket)
+                    comm.allreduce([loss_in], [loss_out], across="world")
                 ok = True
             except PeerFailure as exc:
                 # Time blocked in the failed attempt: bounds the detection time of a hung peer.
                 self._detect_s += time.perf_counter() - t_attempt
                 log.warning("step %d: %s", self._step, exc)
                 ok = False
-            if comm.agree(ok):
+            with self._waiting():
+                committed = comm.agree(ok)
+            if committed:
                 break
             if t_fail is None:
                 t_fail = time.perf_counter()
@@ -615,22 +621,37 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         if self.watchdog is not None:
             self.watchdog.tick()
 
+    def _set_computing(self, computing: bool) -> None:
+        if self.watchdog is not None:
+            self.watchdog.computing = computing
+
     @contextmanager
-    def _collective(self) -> Iterator[None]:
-        """Waiting on peers is not being stuck: the watchdog's progress rule pauses meanwhile."""
+    def _waiting(self) -> Iterator[None]:
+        """Blocked in MPI on peers is not being stuck: the watchdog's progress rule pauses meanwhile."""
         if self.watchdog is None:
             yield
             return
-        self.watchdog.in_collective = True
+        before, self.watchdog.computing = self.watchdog.computing, False
         try:
             yield
         finally:
-            self.watchdog.in_collective = False
+            self.watchdog.computing = before
+            self.watchdog.tick()
+
+    @contextmanager
+    def _disarm_on_error(self) -> Iterator[None]:
+        """A step left by an exception (below min_replicas, a user error) is no longer computing."""
+        try:
+            yield
+        except BaseException:
+            self._set_computing(False)
+            raise
 
     def _recover(self, handle: Any, optimizer: Optimizer) -> None:
         """Repair the world, let the policy re-plan, and compute this replica's extra microbatches."""
         assert self.comm is not None and self.policy is not None
-        res = self.comm.repair()
+        with self._waiting():
+            res = self.comm.repair()
         self._epoch_check.note_repair(handle, res.epoch)
         self._on_membership_change(res.lost_replicas)
         self._plan = self.policy.fail(res.lost_replicas)
@@ -737,13 +758,14 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         """Run a world collective; if a peer dies, repair and retry (the policy sees it next step)."""
         assert self.comm is not None
         while True:
-            try:
-                result, ok = fn(), True
-            except PeerFailure:
-                result, ok = None, False
-            if self.comm.agree(ok):
-                return result
-            res = self.comm.repair()
+            with self._waiting():
+                try:
+                    result, ok = fn(), True
+                except PeerFailure:
+                    result, ok = None, False
+                if self.comm.agree(ok):
+                    return result
+                res = self.comm.repair()
             self._on_membership_change(res.lost_replicas)
 
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
@@ -908,7 +930,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.comm is not None:
-            with self._collective():
+            with self._waiting():
                 if not self.comm.agree(True):
                     # A replica died after the last commit (e.g. the leader before writing its
                     # ledger line): repair, and let a new leader record what is missing.

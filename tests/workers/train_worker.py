@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -50,7 +51,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--min-replicas", type=int, default=1)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--unseeded", action="store_true", help="init weights differently on every rank")
+    ap.add_argument("--pause", default=None, metavar="RANK:SECONDS", help="that rank sleeps after step 0 (slow, not stuck)")
     return ap.parse_args(argv)
+
+
+class PauseAfterFirstStep(L.Callback):
+    """Work between steps (a slow logger, a checkpoint) that must never count as stuck."""
+
+    def __init__(self, spec: str) -> None:
+        rank, seconds = spec.split(":")
+        self.rank, self.seconds = int(rank), float(seconds)
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        if trainer.global_step == 1 and int(os.environ["OMPI_COMM_WORLD_RANK"]) == self.rank:
+            time.sleep(self.seconds)
 
 
 def main() -> None:
@@ -78,7 +92,7 @@ def main() -> None:
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,
-        callbacks=[FaultInjection(json.loads(args.faults))], logger=LeaderCSVLogger(out, name="logs"),
+        callbacks=[FaultInjection(json.loads(args.faults))] + ([PauseAfterFirstStep(args.pause)] if args.pause else []), logger=LeaderCSVLogger(out, name="logs"),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=1.0, num_sanity_val_steps=0, log_every_n_steps=1,
     )
