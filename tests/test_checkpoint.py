@@ -32,6 +32,14 @@ def test_interrupted_write_leaves_previous_checkpoint(tmp_path: Path) -> None:
     assert resolve_ckpt_path("last", tmp_path) == str(tmp_path / "step-00000002")
 
 
+def test_next_publish_removes_a_dead_writers_leftover(tmp_path: Path) -> None:
+    (tmp_path / "step-00000004.tmp").mkdir()
+    (tmp_path / "step-00000004.tmp" / "shard0.pt.part").write_bytes(b"half")
+    _write(tmp_path / "step-00000006.tmp")
+    publish(tmp_path, tmp_path / "step-00000006.tmp", tmp_path / "step-00000006", keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last", "step-00000006"]
+
+
 def test_resolve_errors_are_clear(tmp_path: Path) -> None:
     assert resolve_ckpt_path(None, tmp_path) is None
     assert resolve_ckpt_path("some/file", None) == "some/file"

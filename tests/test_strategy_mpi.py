@@ -182,6 +182,33 @@ def test_rank_stuck_in_compute_is_killed_but_slow_work_between_steps_is_not(tmp_
     print(f"stuck rank detected after {ledger[1]['detect_s']:.2f}s of waiting in the reduce (stuck timeout 4 s)")
 
 
+def test_leader_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path: Path) -> None:
+    from reference import reference_run
+
+    ckpt = tmp_path / "ckpt"
+    common = ["--steps", "6", "--ckpt-dir", str(ckpt), "--ckpt-every", "2"]
+    # Rank 0 (the leader replica) dies after writing its shard of the step-4 checkpoint, before
+    # any rename; with min_replicas=4 the survivors then stop.
+    faults = [{"step": 4, "rank": 0, "phase": "checkpoint", "kind": "kill"}]
+    first = run_mpi(4, [WORKER, *common, "--min-replicas", "4", "--faults", json.dumps(faults)], tmp_path, timeout=240)
+    assert "kill rank 0 at step 4 checkpoint" in first.stderr and "fewer than min_replicas=4" in first.stderr, first.describe()
+    assert (ckpt / "step-00000004.tmp" / "shard0.pt.part").exists(), "the write should have been cut off mid-way"
+    assert (ckpt / "last").read_text().strip() == "step-00000002"
+    whole = torch.load(ckpt / "step-00000002" / "shard0.pt", weights_only=False)
+    assert whole["lightning_recover"]["step"] == 2
+    # Resume from it on 3 replicas: same trajectory as a fault-free single process.
+    second = run_mpi(3, [WORKER, *common, "--resume"], tmp_path, timeout=240)
+    assert "resuming at step 2 on 3 replica(s)" in second.stderr, second.describe()
+    ledger = read_ledger(tmp_path / "ledger.jsonl")
+    assert [line["step"] for line in ledger] == list(range(6))
+    assert check_ledger(tmp_path / "ledger.jsonl").ok
+    ref_losses, ref_params = reference_run(["--steps", "6"], 4)
+    assert [line["loss"] for line in ledger] == pytest.approx(ref_losses, rel=1e-4)
+    for p in survivor_params(second).values():
+        assert_params_close(p, ref_params, rtol=1e-4, atol=1e-4)
+    assert not list(ckpt.glob("*.tmp")), "the next checkpoint clears the dead writer's leftover"
+
+
 def test_checkpoint_fallback_and_resume_on_fewer_replicas(tmp_path: Path) -> None:
     from reference import reference_run
 

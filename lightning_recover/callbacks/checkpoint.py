@@ -46,17 +46,35 @@ def resolve_ckpt_path(ckpt_path: str | None, directory: str | os.PathLike[str] |
     return str(found)
 
 
+def fsync_path(path: str | os.PathLike[str]) -> None:
+    """Flush a file's (or a directory's entries') data to stable storage."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def publish(directory: Path, tmp: Path, final: Path, keep: int) -> None:
-    """Rename a finished checkpoint into place, move the ``last`` pointer, drop old ones."""
+    """Rename a finished checkpoint into place, move the ``last`` pointer, drop old ones.
+
+    Only one replica writes checkpoints and its shard ranks meet at a barrier before this,
+    so any other ``*.tmp`` directory is the leftover of a writer killed mid-way: removed.
+    """
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+    fsync_path(directory)  # the rename must be durable before the pointer names it
     pointer_tmp = directory / f".{LAST}.tmp"
     pointer_tmp.write_text(final.name + "\n")
+    fsync_path(pointer_tmp)
     os.replace(pointer_tmp, directory / LAST)
+    fsync_path(directory)
     done = sorted(p for p in directory.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
     for old in done[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    for stale in directory.glob("step-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
 
 
 class ReplicaCheckpoint(Callback):

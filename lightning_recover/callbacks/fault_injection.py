@@ -2,7 +2,9 @@
 
 Schedule entries are ``{step, rank, phase, kind}`` with optional ``microbatch`` and
 ``bucket``. ``rank`` is an ORIGINAL world rank; ``step`` the optimizer step (0-based);
-``phase`` one of forward | backward | reduce | optimizer; ``kind`` kill (SIGKILL), hang
+``phase`` one of forward | backward | reduce | optimizer | checkpoint (``checkpoint``: while
+the leader replica writes the checkpoint of global step ``step``, after this rank's shard
+file is written and before anything is renamed into place); ``kind`` kill (SIGKILL), hang
 (SIGSTOP: no thread of the process runs) or stuck (the main thread spins forever in Python
 while the process stays alive, like a rank wedged in compute). ``microbatch`` pins forward/backward to the k-th microbatch (0-based) this
 replica computes in that step; ``bucket`` pins reduce to that bucket index (default 0).
@@ -21,7 +23,7 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-PHASES = ("forward", "backward", "reduce", "optimizer")
+PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint")
 KINDS = ("kill", "hang", "stuck")
 _SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 

@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from datetime import timedelta
 from typing import Any
 
@@ -50,7 +51,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_recover.callbacks import BoundaryScheduler, EpochCheck, FaultInjection, GradientSnapshot, ReplicaCheckpoint
-from lightning_recover.callbacks.checkpoint import publish
+from lightning_recover.callbacks.checkpoint import fsync_path, publish
 from lightning_recover.communicator import DEFAULT_BUCKET_BYTES, FaultTolerantComm, PeerFailure
 from lightning_recover.ledger import LedgerWriter, read_ledger
 from lightning_recover.planner import MicrobatchPlanner
@@ -735,10 +736,10 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._ledger.write(record)
 
     # ------------------------------------------------------------------ faults
-    def _inject(self, phase: str, *, microbatch: int | None = None, bucket: int | None = None) -> None:
+    def _inject(self, phase: str, *, step: int | None = None, microbatch: int | None = None, bucket: int | None = None) -> None:
         if self._faults and self.comm is not None:
             for cb in self._faults:
-                cb.at(phase, step=self._step, rank=self.comm.rank, microbatch=microbatch, bucket=bucket)
+                cb.at(phase, step=self._step if step is None else step, rank=self.comm.rank, microbatch=microbatch, bucket=bucket)
 
     @contextmanager
     def replica_guard(self, where: str) -> Iterator[None]:
@@ -865,11 +866,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._replica_barrier("checkpoint start")
         part = os.path.join(tmp, f"shard{self.comm.shard}.pt")
         torch.save(checkpoint, part + ".part")
+        fsync_path(part + ".part")
+        self._inject("checkpoint", step=checkpoint["lightning_recover"]["step"])
         os.replace(part + ".part", part)
         self._replica_barrier("checkpoint written")
         if self.comm.shard == 0:
-            from pathlib import Path
-
             publish(Path(directory), Path(tmp), Path(final), keep=2)
 
     def _replica_barrier(self, where: str) -> None:
