@@ -571,8 +571,8 @@ class FaultTolerantComm:
         self.agree(True)
         self.free()
         if exit_code is not None:
-            if exit_code == 0:
-                self._mark("ok")
+            # A deliberate non-zero exit (e.g. below min_replicas) is not a failed rank.
+            self._mark("ok" if exit_code == 0 else "exited")
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(exit_code)

@@ -186,12 +186,14 @@ def run_supervised(
 
 
 #: Ranks of a fault-tolerant job leave markers here: ``started.R`` when their communicator
-#: comes up, ``ok.R`` when they end normally (a rank killed by a signal writes none).
+#: comes up, ``ok.R`` when they end normally, ``exited.R`` when they stop on purpose with a
+#: non-zero status (below min_replicas); a rank killed by a signal writes none.
 ENV_STATUS_DIR = "LIGHTNING_RECOVER_STATUS_DIR"
 
 
 def launch(nprocs: int, command: Sequence[str], hang_timeout: float | None = None, extra: Sequence[str] = ()) -> int:
-    """Run the job and return its status; 1 if ranks started but none of them ended normally.
+    """Run the job and return its status; non-zero (1 unless mpiexec's was) if ranks started
+    but none of them ended normally.
 
     With ULFM, mpiexec reports 0 even when every rank died by a signal (each death is a
     "recoverable" failure); the markers tell a job in which nobody survived.
@@ -205,7 +207,12 @@ def launch(nprocs: int, command: Sequence[str], hang_timeout: float | None = Non
         env[ENV_STATUS_DIR] = status_dir
         status = run_supervised(argv, env, nprocs=nprocs)
         names = os.listdir(status_dir)
-        if status == 0 and any(n.startswith("started.") for n in names) and not any(n.startswith("ok.") for n in names):
-            print("[lightning-recover] every rank of the job failed; exiting with status 1", file=sys.stderr, flush=True)
-            return 1
+        if any(n.startswith("started.") for n in names) and not any(n.startswith(("ok.", "exited.")) for n in names):
+            status = status or 1
+            print(
+                f"[lightning-recover] every rank of the job failed: no replica survived to continue in place; "
+                f"relaunch from the newest checkpoint (ckpt_path=last, recover.checkpoint.dir). Exit status {status}",
+                file=sys.stderr,
+                flush=True,
+            )
     return status

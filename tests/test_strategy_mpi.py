@@ -209,6 +209,37 @@ def test_leader_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole(
     assert not list(ckpt.glob("*.tmp")), "the next checkpoint clears the dead writer's leftover"
 
 
+def test_sharded_checkpoint_resumes_on_one_replica(tmp_path: Path) -> None:
+    from reference import reference_run
+
+    ckpt = tmp_path / "ckpt"
+    common = ["--shards", "2", "--steps", "6", "--ckpt-dir", str(ckpt), "--ckpt-every", "2"]
+    faults = [{"step": 3, "rank": 3, "phase": "backward", "kind": "kill"}]
+    first = run_mpi(4, [WORKER, *common, "--min-replicas", "2", "--faults", json.dumps(faults)], tmp_path, timeout=240)
+    assert "fewer than min_replicas=2" in first.stderr, first.describe()
+    assert (ckpt / "last").read_text().strip() == "step-00000002"
+    shards = [torch.load(ckpt / "step-00000002" / f"shard{s}.pt", weights_only=False)["state_dict"] for s in (0, 1)]
+    name = next(k for k, v in shards[0].items() if v.dim() == 2)
+    assert not torch.equal(shards[0][name], shards[1][name]), "each shard rank writes its own slice"
+    second = run_mpi(2, [WORKER, *common, "--resume"], tmp_path, timeout=240)
+    assert "resuming at step 2 on 1 replica(s)" in second.stderr, second.describe()
+    ledger = read_ledger(tmp_path / "ledger.jsonl")
+    assert [line["step"] for line in ledger] == list(range(6))
+    assert all(line["B"] == 4 and line["committed"] == 4 for line in ledger)
+    ref_losses, ref_params = reference_run(common[:4], 2)
+    assert [line["loss"] for line in ledger] == pytest.approx(ref_losses, rel=1e-4)
+    for p in survivor_params(second).values():
+        assert_params_close(p, ref_params, rtol=1e-4, atol=1e-4)
+
+
+def test_every_replica_dead_fails_the_job_with_a_clear_message(tmp_path: Path) -> None:
+    faults = [{"step": 1, "rank": r, "phase": "forward", "kind": "kill"} for r in (0, 1)]
+    job = run_mpi(2, [WORKER, "--steps", "3", "--faults", json.dumps(faults)], tmp_path, timeout=240)
+    assert job.returncode != 0, job.describe()
+    assert "every rank of the job failed: no replica survived" in job.stderr, job.describe()
+    assert "ckpt_path=last" in job.stderr
+
+
 def test_checkpoint_fallback_and_resume_on_fewer_replicas(tmp_path: Path) -> None:
     from reference import reference_run
 
@@ -218,6 +249,7 @@ def test_checkpoint_fallback_and_resume_on_fewer_replicas(tmp_path: Path) -> Non
     first = run_mpi(4, [WORKER, *common, "--min-replicas", "3", "--faults", json.dumps(faults)], tmp_path, timeout=240)
     # Below min_replicas the job stops with a clear message instead of limping on.
     assert "fewer than min_replicas=3" in first.stderr, first.describe()
+    assert "every rank of the job failed" not in first.stderr, "a deliberate stop is not a total loss"
     assert (ckpt / "last").read_text().strip() == "step-00000004"
     assert not list(ckpt.glob("*.tmp")), "no half-written checkpoint may be left in place"
     # Relaunch on 2 replicas (the checkpoint had 3): B and the sample order come from the checkpoint.

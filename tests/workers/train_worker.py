@@ -101,8 +101,7 @@ def main() -> None:
         trainer.fit(model, DataLoader(data, batch_size=args.mbs), ckpt_path=ckpt)
     except PolicyError as exc:
         print(f"train_worker: stopping: {exc}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(3)
+        strategy.shutdown(exit_code=3)
     comm = strategy.comm
     assert comm is not None
     with strategy.replica_guard("final parameter gather"):
