@@ -21,8 +21,9 @@ Every rank runs a daemon thread that, every ``period`` seconds,
 *Computing* is narrow on purpose: the strategy raises it only inside a training step
 (microbatches, gradient bookkeeping, the optimizer update) and lowers it while the rank
 waits in MPI and between steps. So data loading between steps, validation, logging and
-checkpoint writes never count as stuck, however long they take; only a single forward,
-backward, bucket or optimizer update longer than ``stuck_timeout`` does.
+checkpoint writes never count as stuck, however long they take. Inside a step the
+strategy ticks per layer (forward and gradient hooks on every module), so only a single
+layer, bucket or optimizer update running longer than ``stuck_timeout`` does.
 
 Only ranks on the same host can be killed; a node running a single rank needs Open MPI's
 detector (``lightning-recover launch --mpi-detector``). Pure standard library.

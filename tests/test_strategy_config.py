@@ -119,6 +119,31 @@ def test_bad_arguments_named(kwargs: dict, match: str) -> None:
         ReCoVerHSDPStrategy(**kwargs)
 
 
+def test_progress_hooks_tick_per_layer_in_forward_and_backward_and_change_nothing(data: ByteDataset) -> None:
+    from lightning_recover.strategies.recover_hsdp import install_progress_hooks
+
+    x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(2))))
+
+    def grads(hooked: bool) -> tuple[list[torch.Tensor], int, int]:
+        torch.manual_seed(0)
+        model = GPT(**SIZES["tiny"], dropout=0.0)
+        ticks = [0]
+        if hooked:
+            install_progress_hooks(model, lambda: ticks.__setitem__(0, ticks[0] + 1))
+        loss = model.training_step((x, y), 0)
+        in_forward = ticks[0]
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()], in_forward, ticks[0] - in_forward
+
+    plain, _, _ = grads(False)
+    hooked, forward_ticks, backward_ticks = grads(True)
+    layers = SIZES["tiny"]["n_layer"]
+    assert forward_ticks >= 4 * layers  # several per block (norms, attention, MLP), not one per microbatch
+    assert backward_ticks >= 2 * layers  # and again as gradients flow back through them
+    for a, b in zip(plain, hooked):
+        assert torch.equal(a, b)
+
+
 def test_stuck_detection_defaults_to_the_hang_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LIGHTNING_RECOVER_HANG_TIMEOUT", raising=False)
     assert ReCoVerHSDPStrategy().stuck_timeout_s == 10.0

@@ -153,6 +153,28 @@ def _is_comm_error(exc: BaseException) -> bool:
     return any(k in text for k in ("gloo", "connection closed", "connection reset", "broken pipe", "nccl"))
 
 
+def install_progress_hooks(model: torch.nn.Module, tick: Callable[[], None]) -> list[Any]:
+    """Tick at the end of every module's forward and when its output's gradient is computed.
+
+    This makes the stuck-in-compute rule measure progress per layer rather than per
+    microbatch: a big model whose backward legitimately takes minutes on a CPU still ticks
+    every few milliseconds, while a rank wedged inside one kernel stops ticking. The hooks
+    leave values and gradients untouched. Returns the handles (``.remove()`` them to undo).
+    """
+
+    def on_grad(_grad: Tensor) -> None:
+        tick()  # returning None keeps the gradient as it is
+
+    def on_forward(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        tick()
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, Tensor) and t.requires_grad:
+                t.register_hook(on_grad)
+                break
+
+    return [m.register_forward_hook(on_forward) for m in model.modules()]
+
+
 class ReCoVerHSDPStrategy(ParallelStrategy):
     """HSDP with in-place recovery from replica failures; see the module docstring.
 
@@ -171,9 +193,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             ``--hang-timeout``, else 10 s. ``0`` turns hang detection off.
         stuck_timeout_s: also kill a rank that is computing inside a step but makes no
             progress (one forward, backward, gradient bucket or optimizer update) for this
-            long; default: the hang timeout. Waiting in MPI and everything between steps
-            (data loading, validation, checkpoints) never counts. ``0`` turns it off; set
-            it above your slowest single forward or backward.
+            long; default: the hang timeout. Every module's forward and output gradient
+            counts as progress (:func:`install_progress_hooks`), so only a single layer
+            running this long looks stuck. Waiting in MPI and everything between steps
+            (data loading, validation, checkpoints) never counts. ``0`` turns it off (and
+            the hooks with it).
         checkpoint_dir: where the leader replica writes fallback checkpoints (None: none).
         checkpoint_every_n_steps: checkpoint period in committed steps.
 
@@ -355,6 +379,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.model_to_device()
         if self.shards > 1:
             self._shard_model(self.model)
+        if self.watchdog is not None and self.watchdog.stuck_timeout is not None:
+            install_progress_hooks(self.model, self.watchdog.tick)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
