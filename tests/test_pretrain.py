@@ -11,6 +11,7 @@ import csv
 import dataclasses
 import inspect
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -126,6 +127,23 @@ def test_trainer_group_holds_only_trainer_arguments() -> None:
 
     params = inspect.signature(Trainer.__init__).parameters
     assert set(cfg_of().trainer) <= set(params)
+
+
+@pytest.mark.parametrize(
+    ("entry", "needle"),
+    [
+        ({"step": 1, "rank": 0, "phase": "forward", "kind": "melt"}, "kind='melt' is not one of ('kill', 'hang', 'stuck')"),
+        ({"step": 1, "rank": 0, "phase": "checkpoint", "kind": "stuck"}, "kind=stuck at phase=checkpoint"),
+        ({"step": -1, "rank": 0, "phase": "forward"}, "step=-1 must be a non-negative integer"),
+        ({"rank": 0, "phase": "forward"}, "missing 'step'"),
+    ],
+)
+def test_fault_spec_errors_name_the_entry(entry: dict, needle: str) -> None:
+    from lightning_recover.callbacks import FaultSpec
+
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        FaultSpec.parse(entry, 0)
+    assert FaultSpec.parse({"step": 4, "rank": 0, "phase": "checkpoint", "kind": "kill"}).phase == "checkpoint"
 
 
 def test_named_fault_schedule_parses() -> None:

@@ -54,6 +54,11 @@ class FaultSpec:
             raise ValueError(f"fault.schedule[{index}].phase={phase!r} is not one of {PHASES}")
         if kind not in KINDS:
             raise ValueError(f"fault.schedule[{index}].kind={kind!r} is not one of {KINDS}")
+        if kind == "stuck" and phase == "checkpoint":
+            raise ValueError(
+                f"fault.schedule[{index}]: kind=stuck at phase=checkpoint would spin forever unseen (checkpoint writes "
+                "never count as stuck); use kind=hang or kill there"
+            )
         ints = {}
         for key in ("step", "rank", "microbatch", "bucket"):
             v = entry.get(key)

@@ -192,8 +192,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             removed (:mod:`lightning_recover.watchdog`); default: the launcher's
             ``--hang-timeout``, else 10 s. ``0`` turns hang detection off.
         stuck_timeout_s: also kill a rank that is computing inside a step but makes no
-            progress (one forward, backward, gradient bucket or optimizer update) for this
-            long; default: the hang timeout. Every module's forward and output gradient
+            progress for this long; default: the hang timeout. Every module's forward and output gradient
             counts as progress (:func:`install_progress_hooks`), so only a single layer
             running this long looks stuck. Waiting in MPI and everything between steps
             (data loading, validation, checkpoints) never counts. ``0`` turns it off (and
@@ -641,8 +640,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         return self._plan.divisor
 
     def _on_bucket(self, bucket: int) -> None:
+        # Between the MPI waits of two buckets this rank runs its own code: that counts.
+        self._set_computing(True)
         self._inject("reduce", bucket=bucket)
         self._tick()
+        self._set_computing(False)
 
     def _tick(self) -> None:
         if self.watchdog is not None:
