@@ -198,7 +198,8 @@ class Outcome:
     recovered: int = 0
     violations: list[str] = field(default_factory=list)
     pauses: list[float] = field(default_factory=list)
-    #: Per fired SIGSTOP: how long the survivors were blocked before the watchdog's kill freed them.
+    #: Per step that lost a SIGSTOPped replica: the longest failed round, i.e. how long the
+    #: survivors were blocked before the watchdog's kill freed them.
     detects: list[float] = field(default_factory=list)
 
 
@@ -259,10 +260,8 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
     if len(set(survivors.values())) > 1:
         out.violations.append("surviving replicas hold different parameters")
     out.pauses = [p for line in ledger for p in line.get("pauses_s", [])]
-    for f in hit:
-        if f["kind"] == "hang":
-            when = [line.get("detect_s", 0.0) for line in ledger if f["rank"] // run.shards in line["faults"]]
-            out.detects.extend(when[:1])
+    hung = {f["rank"] // run.shards for f in hit if f["kind"] == "hang"}
+    out.detects = [max(line["detects_s"]) for line in ledger if hung & set(line["faults"]) and line.get("detects_s")]
     return out
 
 

@@ -273,7 +273,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._step_t0 = 0.0
         self._step_faults: list[int] = []
         self._recovery_s = 0.0
-        self._detect_s = 0.0
+        self._detects: list[float] = []
         self._pauses: list[float] = []
         self.faults_seen = 0
         self.last_record: dict[str, Any] | None = None
@@ -524,7 +524,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._step_t0 = time.perf_counter()
         self._plan = self.policy.begin_step(self._step, self.comm.alive_replicas)
         self._computed, self._losses, self._mb_counter = [], {}, 0
-        self._step_faults, self._recovery_s, self._pauses, self._detect_s = [], 0.0, [], 0.0
+        self._step_faults, self._recovery_s, self._pauses, self._detects = [], 0.0, [], []
         self._boundary.begin_step()
         self._epoch_check.begin_step()
         self._set_computing(True)
@@ -612,21 +612,23 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
                 [sum(self._losses[i] for i in mine.ids) if mine.contributes else 0.0, len(mine.ids) if mine.contributes else 0],
                 dtype=torch.float64,
             )
-            t_attempt = time.perf_counter()
+            t_round = time.perf_counter()
             try:
                 with self._waiting():
                     comm.allreduce(sent, out, handle=handle, on_bucket=self._on_bucket)
                     comm.allreduce([loss_in], [loss_out], across="world")
                 ok = True
             except PeerFailure as exc:
-                # Time blocked in the failed attempt: bounds the detection time of a hung peer.
-                self._detect_s += time.perf_counter() - t_attempt
                 log.warning("step %d: %s", self._step, exc)
                 ok = False
             with self._waiting():
                 committed = comm.agree(ok)
             if committed:
                 break
+            # A round that ends in failure: the time blocked in it (reduce + agreement) bounds
+            # how long a hung peer went unnoticed. The agreement counts too: a peer that hangs
+            # after the others saw a death blocks them there, not in the reduce.
+            self._detects.append(time.perf_counter() - t_round)
             if t_fail is None:
                 t_fail = time.perf_counter()
             self._recover(handle, optimizer)
@@ -715,7 +717,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             step_time_s=time.perf_counter() - self._step_t0,
             recovery_s=self._recovery_s,
             pauses_s=self._pauses,
-            detect_s=self._detect_s,
+            detect_s=sum(self._detects),
+            detects_s=self._detects,
             stale_buckets=self._epoch_check.stale_redone,
             policy=self.policy_name,
             divisor=divisor,
