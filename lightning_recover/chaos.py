@@ -66,7 +66,9 @@ class ChaosRun:
         return f"{self.replicas}x{self.shards}{t} G={self.grad_accum} B={self.B}: {fs}"
 
 
-def draw_run(index: int, rng: random.Random, steps: int, hangs: bool = True) -> ChaosRun:
+def draw_run(index: int, rng: random.Random, steps: int, hangs: bool = True, stuck: bool = False) -> ChaosRun:
+    """One random run. A fifth of the faults are silent (SIGSTOP, or with ``stuck`` half of
+    those spin in compute instead); ``stuck`` does not change the other draws of a seed."""
     W, S, T = rng.choice(TOPOLOGIES)
     run = ChaosRun(index, W, S, T, grad_accum=rng.randint(1, 3), steps=steps, seed=rng.randint(0, 2**31 - 1))
     losses = rng.randint(1, W - 1)
@@ -75,7 +77,8 @@ def draw_run(index: int, rng: random.Random, steps: int, hangs: bool = True) -> 
         rank = replica * S + rng.randrange(S)
         step = rng.randrange(steps)
         phase = rng.choice(PHASES)
-        kind = "hang" if hangs and rng.random() < 0.2 else "kill"
+        r = rng.random()
+        kind = "kill" if not hangs or r >= 0.2 else ("stuck" if stuck and r >= 0.1 else "hang")
         fault: dict[str, Any] = {"step": step, "rank": rank, "phase": phase, "kind": kind}
         if phase in ("forward", "backward"):
             # Indices past the replica's own quota land in a boundary step (a cascade).
@@ -198,7 +201,7 @@ class Outcome:
     recovered: int = 0
     violations: list[str] = field(default_factory=list)
     pauses: list[float] = field(default_factory=list)
-    #: Per step that lost a SIGSTOPped replica: the longest failed round, i.e. how long the
+    #: Per step that lost a hung or stuck replica: the longest failed round, i.e. how long the
     #: survivors were blocked before the watchdog's kill freed them.
     detects: list[float] = field(default_factory=list)
 
@@ -260,16 +263,18 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
     if len(set(survivors.values())) > 1:
         out.violations.append("surviving replicas hold different parameters")
     out.pauses = [p for line in ledger for p in line.get("pauses_s", [])]
-    hung = {f["rank"] // run.shards for f in hit if f["kind"] == "hang"}
+    hung = {f["rank"] // run.shards for f in hit if f["kind"] in ("hang", "stuck")}
     out.detects = [max(line["detects_s"]) for line in ledger if hung & set(line["faults"]) and line.get("detects_s")]
     return out
 
 
-def campaign(runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, hangs: bool = True) -> list[Outcome]:
+def campaign(
+    runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, hangs: bool = True, stuck: bool = False
+) -> list[Outcome]:
     rng = random.Random(seed)
     outcomes = []
     for i in range(runs):
-        run = draw_run(i, rng, steps, hangs=hangs)
+        run = draw_run(i, rng, steps, hangs=hangs, stuck=stuck)
         res = execute(run, outdir / f"run{i:04d}", hang_timeout, bound_s)
         outcomes.append(res)
         status = "OK" if not res.violations else "VIOLATION: " + "; ".join(res.violations)
@@ -292,7 +297,7 @@ def summary(outcomes: list[Outcome]) -> str:
         ("median recovery pause", f"{med:.3f}s"),
     ]
     if detects:
-        rows.append(("SIGSTOP detection (blocked)", f"n={len(detects)} median {detects[len(detects) // 2]:.2f}s max {detects[-1]:.2f}s"))
+        rows.append(("silent-fault detection", f"n={len(detects)} median {detects[len(detects) // 2]:.2f}s max {detects[-1]:.2f}s"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -310,10 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hang-timeout", type=float, default=3.0, help="watchdog timeout for SIGSTOPped ranks")
     ap.add_argument("--bound", type=float, default=240.0, help="a run longer than this counts as a hang")
     ap.add_argument("--no-hangs", action="store_true", help="inject SIGKILLs only")
+    ap.add_argument("--stuck", action="store_true", help="half of the silent faults spin in compute instead of SIGSTOP")
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error(f"--runs must be >= 1, got {args.runs}")
-    outcomes = campaign(args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, hangs=not args.no_hangs)
+    outcomes = campaign(
+        args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, hangs=not args.no_hangs, stuck=args.stuck
+    )
     print(summary(outcomes))
     bad = any(o.violations for o in outcomes)
     print(f"chaos: {'FAILED' if bad else 'OK'}: {len(outcomes)} runs, {sum(1 for o in outcomes if o.violations)} with violations")

@@ -26,14 +26,31 @@ def test_draws_lose_at_most_w_minus_one_whole_replicas(seed: int, steps: int) ->
         assert f["phase"] in PHASES and f["kind"] in ("kill", "hang")
 
 
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 6))
+def test_stuck_faults_replace_only_some_hangs(seed: int, steps: int) -> None:
+    plain, mixed = draw_run(0, random.Random(seed), steps), draw_run(0, random.Random(seed), steps, stuck=True)
+    assert len(plain.faults) == len(mixed.faults)
+    for a, b in zip(plain.faults, mixed.faults):
+        assert {**a, "kind": None} == {**b, "kind": None}  # same victim, step, phase, timing
+        assert b["kind"] == a["kind"] or (a["kind"], b["kind"]) == ("hang", "stuck")
+
+
 @pytest.mark.mpi
 def test_short_campaign_has_no_violation(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "lightning_recover.cli", "chaos", "--runs", "10", "--seed", "2026", "--steps", "2", "--out", str(tmp_path)]
+    # With --stuck, seed 2026 draws 3 SIGSTOPs and 1 rank spinning in compute among 19 faults.
+    cmd = [
+        sys.executable, "-m", "lightning_recover.cli", "chaos", "--runs", "10", "--seed", "2026", "--steps", "2", "--stuck",
+        "--out", str(tmp_path),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     print(res.stdout)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     lines = res.stdout.splitlines()
     assert lines[-1].startswith("chaos: OK: 10 runs, 0 with violations")
-    table = dict(line.rsplit(None, 1) for line in lines[-8:-1])
+    assert sum(" stuck -> " in line or " stuck, " in line for line in lines) == 1, "the draw should hold one stuck fault"
+    table = dict(line.split("  ", 1) for line in lines if not line.startswith(("[", "chaos:")))
+    table = {k.strip(): v.strip() for k, v in table.items()}
     assert table["violations"] == "0" and table["hangs"] == "0"
     assert int(table["recovered"]) == int(table["faults injected (fired)"]) > 0
+    assert table["silent-fault detection"].startswith("n="), table
