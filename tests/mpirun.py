@@ -13,6 +13,9 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from lightning_recover.chaos import RUNTIME_START_FAILURE
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -36,7 +39,7 @@ class MPIJob:
         return f"rc={self.returncode}\n--- stdout ---\n{self.stdout[-4000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
 
 
-def run_mpi(
+def _run_once(
     nprocs: int,
     args: list[str],
     outdir: Path,
@@ -45,7 +48,7 @@ def run_mpi(
     hang_timeout: float | None = None,
     env: dict[str, str] | None = None,
 ) -> MPIJob:
-    """``lightning-recover launch -n nprocs -- python ARGS`` with OUT=outdir; killed after ``timeout``."""
+    """One ``lightning-recover launch -n nprocs -- python ARGS`` with OUT=outdir; killed after ``timeout``."""
     outdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(nprocs)]
     if hang_timeout is not None:
@@ -69,3 +72,18 @@ def run_mpi(
         except ProcessLookupError:
             pass
     return MPIJob(proc.returncode, stdout, stderr, outdir)
+
+
+
+
+def run_mpi(nprocs: int, args: list[str], outdir: Path, **options: Any) -> MPIJob:
+    """``lightning-recover launch -n nprocs -- python ARGS`` (options: see ``_run_once``).
+
+    A job whose Open MPI runtime failed to come up at all (a rare PMIx listener race, also
+    seen in other projects' CI) never ran a rank, so it is launched once more, and says so.
+    """
+    job = _run_once(nprocs, args, outdir, **options)
+    if job.returncode != 0 and RUNTIME_START_FAILURE in job.stderr and not list(outdir.glob("rank*.json")):
+        print(f"mpirun: Open MPI's runtime did not start (rc={job.returncode}); launching once more", file=sys.stderr)
+        job = _run_once(nprocs, args, outdir, **options)
+    return job
