@@ -173,7 +173,7 @@ class HangWatchdog:
                 elif now - last[1] > self.stuck_timeout:
                     reason = (
                         f"no progress for {now - last[1]:.1f}s while computing (> {self.stuck_timeout:g}s): stuck in compute; "
-                        "raise stuck_timeout_s (recover.stuck_timeout_s) if one microbatch legitimately takes longer"
+                        "raise stuck_timeout_s (recover.stuck_timeout_s) if a single layer legitimately takes longer"
                     )
             if reason is not None:
                 self._kill(rank, int(beat["pid"]), beat.get("start"), reason)

@@ -1,14 +1,15 @@
-"""Fault injection for tests and chaos runs: kill or stop this very process at a chosen point.
+"""Fault injection for tests and chaos runs: kill, stop or wedge this very process at a chosen point.
 
 Schedule entries are ``{step, rank, phase, kind}`` with optional ``microbatch`` and
-``bucket``. ``rank`` is an ORIGINAL world rank; ``step`` the optimizer step (0-based);
-``phase`` one of forward | backward | reduce | optimizer | checkpoint (``checkpoint``: while
-the leader replica writes the checkpoint of global step ``step``, after this rank's shard
-file is written and before anything is renamed into place); ``kind`` kill (SIGKILL), hang
-(SIGSTOP: no thread of the process runs) or stuck (the main thread spins forever in Python
-while the process stays alive, like a rank wedged in compute). ``microbatch`` pins forward/backward to the k-th microbatch (0-based) this
-replica computes in that step; ``bucket`` pins reduce to that bucket index (default 0).
-The strategy calls :meth:`FaultInjection.at` at each point; an entry fires once.
+``bucket``. ``rank`` is an ORIGINAL world rank; ``step`` the optimizer step (0-based).
+``phase`` is one of forward | backward | reduce | optimizer | checkpoint; ``checkpoint``
+fires while the leader replica writes the checkpoint of global step ``step``, after this
+rank's shard file is written and before anything is renamed into place. ``kind`` is kill
+(SIGKILL), hang (SIGSTOP: no thread of the process runs) or stuck (the main thread spins
+forever while the process stays alive, like a rank wedged in compute). ``microbatch``
+pins forward/backward to the k-th microbatch (0-based) this replica computes in that
+step; ``bucket`` pins reduce to that bucket index (default 0). The strategy calls
+:meth:`FaultInjection.at` at each point; an entry fires once.
 """
 
 from __future__ import annotations
