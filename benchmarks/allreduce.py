@@ -85,6 +85,10 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
     import torch.distributed as dist
+
+    from lightning_recover import lifecycle
+
+    lifecycle.prepare_mpi()
     from mpi4py import MPI
 
     from lightning_recover.communicator import DEFAULT_BUCKET_BYTES, FaultTolerantComm
@@ -172,7 +176,7 @@ def worker(args: argparse.Namespace) -> None:
         meta = {"bucket_bytes": bucket_bytes, "buckets_at_max_size": buckets, "mpi": MPI.Get_library_version().strip().splitlines()[0]}
         args.worker.write_text(json.dumps({"results": results, "meta": meta}))
     dist.destroy_process_group()
-    comm.shutdown()
+    lifecycle.end_job(comm)
 
 
 # ---------------------------------------------------------------------------------- driver

@@ -1,7 +1,7 @@
 """Discrete-event goodput simulator: checkpoint-restart vs AdaptiveWorld vs ReCoVer at 1k-100k GPUs.
 
 Run it as ``python benchmarks/simulate.py`` (about a second; no MPI, torch or GPU needed).
-The model lives in ``lightning_recover/goodput.py``; its docstring states every assumption.
+The model lives in ``benchmarks/goodput_model.py``; its docstring states every assumption.
 In short: each GPU fails as a Poisson process (per-GPU MTBF, default 50,000 h), a failure
 kills its replica (``--gpus-per-replica`` GPUs, default 8), and over ``--days`` of simulated
 wall time (default 30), repeated ``--reps`` times (default 20), we compare
@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a fresh clone without installing the package
     sys.path.insert(0, str(ROOT))
 
-from lightning_recover.goodput import (  # noqa: E402
+from goodput_model import (  # noqa: E402
     DAY,
     HOUR,
     JobResult,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (CPU torch first, then the package) and run the fault-injection demo:
+# Set up (CPU torch first, then the package) and run the fault-injection demo (examples/demo.py):
 # ReCoVer with two SIGKILLed replicas vs the fault-free run vs the AdaptiveWorld ablation.
 # Prints a table and writes runs/demo/demo.png. About 2-5 minutes on a 2-core machine.
 set -euo pipefail
@@ -9,4 +9,4 @@ PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
 "$PYTHON" -m pip install -q torch==2.13.0      # first: pip never resolves a multi-GB CUDA build
 "$PYTHON" -m pip install -q -e ".[dev]"
 export PATH="$(dirname "$PYTHON"):$PATH"      # mpiexec and lightning-recover live beside python
-exec "$PYTHON" -m lightning_recover.cli demo "$@"
+exec "$PYTHON" examples/demo.py "$@"

@@ -11,13 +11,17 @@ Configuration lives in ``examples/conf/`` (groups ``model``, ``data``, ``recover
 by all ranks: ``ledger.jsonl`` (one line per committed step), ``logs/version_N/metrics.csv``
 (and TensorBoard events when ``tensorboard`` is installed), ``.hydra/`` and ``pretrain.log``.
 
+The ``recover`` group is typed by :class:`lightning_recover.config.RecoverConfig` (its
+structured schema) and built once into that frozen object, which the strategy receives.
 Bad settings stop the job before the first step with exit code 2 and one line on stderr
-(``pretrain.py: error: ...``) naming the value and the fix. Set ``LR_TRACEBACK=1`` to get
-the full traceback instead.
+(``pretrain.py: error: ...``) naming the value and the fix; every refusal is a
+:class:`~lightning_recover.config.ConfigurationError`. Set ``LR_TRACEBACK=1`` to get the full
+traceback instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -33,10 +37,11 @@ from typing import Any, NoReturn
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseException
 
 # Light imports only: configuration mistakes are reported before torch and Lightning load
 # (seconds per rank). Heavy modules are imported in train().
-from lightning_recover.policy import POLICY_NAMES
+from lightning_recover.config import ConfigurationError, RecoverConfig
 
 EXAMPLES = Path(__file__).resolve().parent
 sys.path.insert(0, str(EXAMPLES))
@@ -47,10 +52,6 @@ MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "drop
 PROG = "pretrain.py"
 # Lightning precision values that mean fp16 autocast with a GradScaler.
 FP16_WITH_SCALER = ("16-mixed", "16", "16-mixed-precision")
-
-
-class UsageError(ValueError):
-    """A setting pretrain.py refuses before training; the message names the value and the fix."""
 
 
 # ---------------------------------------------------------------------- launch environment
@@ -98,15 +99,15 @@ OmegaConf.register_new_resolver("on_leader", on_leader, replace=True)
 # ---------------------------------------------------------------------- validation
 def _int(name: str, value: Any, minimum: int, fix: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise UsageError(f"{name}={value!r} is not an integer; {fix}")
+        raise ConfigurationError(f"{name}={value!r} is not an integer; {fix}")
     if value < minimum:
-        raise UsageError(f"{name}={value!r} must be >= {minimum}; {fix}")
+        raise ConfigurationError(f"{name}={value!r} must be >= {minimum}; {fix}")
     return value
 
 
 def _positive(name: str, value: Any, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise UsageError(f"{name}={value!r} must be a positive number ({what})")
+        raise ConfigurationError(f"{name}={value!r} must be a positive number ({what})")
     return float(value)
 
 
@@ -118,7 +119,7 @@ def check_writable_dir(name: str, path: str) -> None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise UsageError(f"{name}={path!r} is not a writable directory ({exc.strerror or exc}); set {name} to one") from None
+        raise ConfigurationError(f"{name}={path!r} is not a writable directory ({exc.strerror or exc}); set {name} to one") from None
 
 
 def check_ledger_path(path: str | None) -> None:
@@ -127,7 +128,7 @@ def check_ledger_path(path: str | None) -> None:
         return
     p = Path(path)
     if p.is_dir():
-        raise UsageError(
+        raise ConfigurationError(
             f"recover.ledger_path={path!r} is a directory; give a file path such as {os.path.join(path, 'ledger.jsonl')!r}"
         )
     try:
@@ -140,108 +141,151 @@ def check_ledger_path(path: str | None) -> None:
     except OSError as exc:
         blocker = next((a for a in p.parents if a.exists()), None)
         why = f"{str(blocker)!r} is not a directory" if blocker is not None and not blocker.is_dir() else (exc.strerror or str(exc))
-        raise UsageError(
+        raise ConfigurationError(
             f"recover.ledger_path={path!r} is not writable ({why}); "
             "set recover.ledger_path to a file in a writable directory (or null for no ledger)"
         ) from None
 
 
-def validate(cfg: DictConfig, world_size: int | None = None) -> None:
+def validate(cfg: DictConfig, world_size: int | None = None) -> RecoverConfig:
     """The configuration checks that need neither torch nor MPI (the fault schedule is parsed later).
 
-    ``world_size`` defaults to the launcher's (1 for a single process). What only the live
-    job can tell (ULFM on, dataset size vs. B, Trainer and precision settings) is checked by
-    ReCoVerHSDPStrategy during ``trainer.fit`` setup, still before the first step.
+    Returns the strategy's settings (:func:`recover_config`), checked against the job's size;
+    when resuming (``ckpt_path`` set) without ``target_replicas``, which the checkpoint
+    supplies. ``world_size`` defaults to the launcher's (1 for a single process). What only
+    the live job can tell (ULFM on, dataset size vs. B, Trainer and precision settings) is
+    checked by ReCoVerHSDPStrategy during ``trainer.fit`` setup, still before the first step.
     """
     world = env_world_size() if world_size is None else world_size
     _int("seed", cfg.seed, 0, "set seed to a non-negative integer")
 
     unknown = sorted(set(cfg.model) - set(MODEL_FIELDS) - {"name"})
     if unknown:
-        raise UsageError(f"model.{unknown[0]} is not a model setting; known: {', '.join(MODEL_FIELDS)}")
+        raise ConfigurationError(f"model.{unknown[0]} is not a model setting; known: {', '.join(MODEL_FIELDS)}")
     for key in ("n_layer", "n_head", "n_embd", "block_size"):
         _int(f"model.{key}", cfg.model[key], 1, f"set model.{key} to a positive integer")
     if cfg.model.n_embd % cfg.model.n_head:
-        raise UsageError(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}; change one of them")
+        raise ConfigurationError(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}; change one of them")
     dropout = cfg.model.dropout
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise UsageError(f"model.dropout={dropout!r} must be a number in [0, 1)")
+        raise ConfigurationError(f"model.dropout={dropout!r} must be a number in [0, 1)")
     _positive("model.lr", cfg.model.lr, "the peak learning rate")
 
     corpus = cfg.data.corpus
     if corpus is not None and not Path(str(corpus)).exists():
-        raise UsageError(
+        raise ConfigurationError(
             f"data.corpus={str(corpus)!r} does not exist; set data.corpus to a text file or a directory of text "
             "files, or data.corpus=null for the Python standard library"
         )
     _int("data.max_bytes", cfg.data.max_bytes, 2, "set data.max_bytes to the number of corpus bytes to read")
     _int("data.microbatch_size", cfg.data.microbatch_size, 1, "set data.microbatch_size to a positive integer")
 
-    r = cfg.recover
-    if r.policy not in POLICY_NAMES:
-        raise UsageError(f"recover.policy={r.policy!r} is unknown; use " + " or ".join(f"recover.policy={p}" for p in POLICY_NAMES))
-    _int("recover.grad_accum", r.grad_accum, 1, "set recover.grad_accum to a positive integer (microbatches per replica per step)")
-    shards = _int("recover.shards", r.shards, 1, "set recover.shards to the ranks per replica (a divisor of the world size)")
-    if world % shards:
-        raise UsageError(
-            f"recover.shards={shards} does not divide the world size {world}; launch a multiple of {shards} ranks "
-            f"(lightning-recover launch -n ...) or set recover.shards to a divisor of {world}"
-        )
-    replicas = world // shards
-    resuming = cfg.get("ckpt_path") is not None  # then B, G_init and T come from the checkpoint
-    if r.target_replicas is not None and not resuming:
-        target = _int("recover.target_replicas", r.target_replicas, 1, "set recover.target_replicas to 1..replicas, or null for all")
-        if target > replicas:
-            raise UsageError(
-                f"recover.target_replicas={target} but the job has {replicas} replica(s) ({world} ranks / {shards} shards); "
-                f"set recover.target_replicas <= {replicas} (null = all) or launch more ranks"
-            )
-        if r.policy == "adaptive" and target != replicas:
-            raise UsageError(
-                f"recover.target_replicas={target} with recover.policy=adaptive: the adaptive policy has no spares; "
-                "set recover.target_replicas=null"
-            )
-    min_replicas = _int("recover.min_replicas", r.min_replicas, 1, "set recover.min_replicas to a positive integer")
-    if min_replicas > replicas:
-        raise UsageError(f"recover.min_replicas={min_replicas} but the job has {replicas} replica(s); lower it or launch more ranks")
-    _positive("recover.bucket_mb", r.bucket_mb, "MiB per gradient bucket")
-    _positive("recover.timeout_s", r.timeout_s, "seconds")
-    check_ledger_path(None if r.ledger_path is None else str(r.ledger_path))
-    for key in ("hang_timeout_s", "stuck_timeout_s"):
-        value = r.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
-            raise UsageError(f"recover.{key}={value!r} must be a number of seconds >= 0 (or null)")
-    ckpt = r.get("checkpoint") or {}
-    every = _int("recover.checkpoint.every_n_steps", ckpt.get("every_n_steps", 0), 0, "set it to a step period, or 0 for no checkpoints")
-    if every > 0:
-        if ckpt.get("dir") is None:
-            raise UsageError("recover.checkpoint.every_n_steps > 0 needs recover.checkpoint.dir; set it to a directory")
-        check_writable_dir("recover.checkpoint.dir", str(ckpt.dir))
+    recover = recover_config(cfg)
+    if cfg.get("ckpt_path") is not None:
+        # Resuming: T (like B and G_init) comes from the checkpoint, which may have had more replicas.
+        recover = dataclasses.replace(recover, target_replicas=None)
+    recover.check_world(world)
+    check_ledger_path(recover.ledger_path)
+    if recover.checkpoint.enabled:
+        check_writable_dir("recover.checkpoint.dir", str(recover.checkpoint.dir))
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is not None and str(ckpt_path) != "last" and not Path(str(ckpt_path)).is_dir():
-        raise UsageError(f"ckpt_path={str(ckpt_path)!r} is not a checkpoint directory; use ckpt_path=last or a step-N directory")
+        raise ConfigurationError(f"ckpt_path={str(ckpt_path)!r} is not a checkpoint directory; use ckpt_path=last or a step-N directory")
 
     max_steps = cfg.trainer.get("max_steps", -1)
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or not (max_steps == -1 or max_steps >= 1):
-        raise UsageError(f"trainer.max_steps={max_steps!r} must be a positive integer (or -1 to train by epochs)")
+        raise ConfigurationError(f"trainer.max_steps={max_steps!r} must be a positive integer (or -1 to train by epochs)")
     precision = cfg.trainer.get("precision", "32-true")
     if str(precision) in FP16_WITH_SCALER:
-        raise UsageError(
+        raise ConfigurationError(
             f"trainer.precision={precision!r} trains fp16 with a GradScaler, whose skipped steps would desynchronise "
             "the replicas; use trainer.precision=bf16-mixed or trainer.precision=32-true"
         )
     accumulate = cfg.trainer.get("accumulate_grad_batches", 1)
     if accumulate != 1:
-        raise UsageError(
+        raise ConfigurationError(
             f"trainer.accumulate_grad_batches={accumulate!r}: the strategy accumulates itself; "
             "leave trainer.accumulate_grad_batches=1 and set recover.grad_accum instead"
         )
     raw = cfg.fault.get("schedule", None)
     if raw is not None and not isinstance(raw, ListConfig):
-        raise UsageError(
+        raise ConfigurationError(
             f"fault.schedule={raw!r} is not a list; write it as "
             "'fault.schedule=[{step:3,rank:2,phase:backward,kind:kill}]' (or [] for no faults)"
         )
+    return recover
+
+
+def recover_schema() -> DictConfig:
+    """RecoverConfig as an OmegaConf structured config: the typed schema of the ``recover`` group.
+
+    OmegaConf makes a frozen dataclass's nodes read-only, which would refuse the merge of
+    the group's values, so every node is made writable (the frozen object comes out of
+    :func:`recover_config`). It is merged here rather than registered in Hydra's ConfigStore:
+    Hydra reports a type error met while composing itself (exit 1, several lines), and
+    this script's contract is exit 2 with one line naming the value and the fix.
+    """
+    schema = OmegaConf.structured(RecoverConfig)
+    nodes = [schema]
+    while nodes:
+        node = nodes.pop()
+        OmegaConf.set_readonly(node, False)
+        nodes.extend(v for v in node.values() if isinstance(v, DictConfig))
+    return schema
+
+
+def recover_config(cfg: DictConfig) -> RecoverConfig:
+    """The ``recover`` group (and the top-level ``seed``) as one validated RecoverConfig.
+
+    The values are resolved, merged into :func:`recover_schema` (typing them: a quoted
+    number becomes a number, an unknown key is refused) and turned into the frozen
+    dataclass, whose ``__post_init__`` checks every field.
+    """
+    try:
+        raw = OmegaConf.to_container(cfg.recover, resolve=True)
+    except InterpolationResolutionError as exc:
+        key = exc.full_key or "recover"
+        cause = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigurationError(
+            f"{key} cannot be resolved ({cause}); run pretrain.py itself (a Hydra run) or set {key} explicitly"
+        ) from None
+    assert isinstance(raw, dict)
+    if "seed" in raw:
+        raise ConfigurationError(f"recover.seed={raw['seed']!r} is not a setting here: the top-level seed seeds everything; use seed=N")
+    raw["seed"] = cfg.seed
+    if raw.get("checkpoint", {}) is None:
+        del raw["checkpoint"]  # recover.checkpoint=null: no checkpoints, as the defaults
+    try:
+        config = OmegaConf.to_object(OmegaConf.merge(recover_schema(), raw))
+    except OmegaConfBaseException as exc:
+        raise _schema_error(exc, raw) from None
+    assert isinstance(config, RecoverConfig)
+    return config
+
+
+def _schema_error(exc: OmegaConfBaseException, raw: dict[str, Any]) -> ConfigurationError:
+    """OmegaConf's refusal of one value, in RecoverConfig's words (its message spans lines, names no fix)."""
+    key = str(getattr(exc, "full_key", "") or "")
+    path = key.split(".") if key else []
+    if path:
+        # The refused value alone (e.g. {"checkpoint": {"every_n_steps": "x"}}), so that
+        # RecoverConfig's check of that very field words the error.
+        alone: Any = _lookup(raw, path)
+        for part in reversed(path):
+            alone = {part: alone}
+        try:
+            RecoverConfig.from_mapping(alone)
+        except ConfigurationError as ours:
+            return ours
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return ConfigurationError(f"recover.{key or '<group>'} is refused by the RecoverConfig schema ({first}); fix that setting")
+
+
+def _lookup(raw: dict[str, Any], path: list[str]) -> Any:
+    value: Any = raw
+    for part in path:
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def fault_schedule(cfg: DictConfig, world_size: int | None = None) -> list[Any]:
@@ -255,10 +299,10 @@ def fault_schedule(cfg: DictConfig, world_size: int | None = None) -> list[Any]:
         try:
             specs.append(FaultSpec.parse(entry, i))  # type: ignore[arg-type]
         except ValueError as exc:
-            raise UsageError(f"{exc}; format: 'fault.schedule=[{{step:3,rank:2,phase:backward,kind:kill}}]'") from None
+            raise ConfigurationError(f"{exc}; format: 'fault.schedule=[{{step:3,rank:2,phase:backward,kind:kill}}]'") from None
     for i, spec in enumerate(specs):
         if spec.rank >= world:
-            raise UsageError(
+            raise ConfigurationError(
                 f"fault.schedule[{i}].rank={spec.rank} but the job has {world} rank(s) (0..{world - 1}); "
                 "pick an existing rank or launch more ranks"
             )
@@ -294,54 +338,31 @@ def build_data(cfg: DictConfig) -> Any:
     data = read_corpus(corpus, max_bytes=cfg.data.max_bytes)
     window = cfg.model.block_size + 1
     if len(data) < window:
-        raise UsageError(
+        raise ConfigurationError(
             f"data: the corpus gives {len(data)} bytes, fewer than one sample of model.block_size+1 = {window}; "
             "raise data.max_bytes or use a larger data.corpus"
         )
     return ByteDataset(data, cfg.model.block_size)
 
 
-def check_dataset_size(cfg: DictConfig, samples: int, world_size: int | None = None) -> None:
+def check_dataset_size(cfg: DictConfig, recover: RecoverConfig, samples: int, world_size: int | None = None) -> None:
     """One optimizer step reads B * microbatch_size * shards samples (B = T * G_init)."""
     world = env_world_size() if world_size is None else world_size
-    r = cfg.recover
-    T = r.target_replicas if r.target_replicas is not None else world // r.shards
-    B = T * r.grad_accum
-    need = B * cfg.data.microbatch_size * r.shards
+    B = recover.microbatches_per_step(world)
+    need = B * cfg.data.microbatch_size * recover.shards
     if samples < need:
-        raise UsageError(
+        raise ConfigurationError(
             f"data: the corpus gives {samples} samples but one step needs B*microbatch_size*shards = "
-            f"{B}*{cfg.data.microbatch_size}*{r.shards} = {need}; raise data.max_bytes (or use a larger data.corpus), "
+            f"{B}*{cfg.data.microbatch_size}*{recover.shards} = {need}; raise data.max_bytes (or use a larger data.corpus), "
             "or lower data.microbatch_size, recover.grad_accum or recover.target_replicas"
         )
 
 
-def build_strategy(cfg: DictConfig) -> Any:
+def build_strategy(recover: RecoverConfig) -> Any:
+    """ReCoVerHSDPStrategy with these settings (already checked against the job by :func:`validate`)."""
     from lightning_recover.strategies import ReCoVerHSDPStrategy
 
-    r = cfg.recover
-    extra: dict[str, Any] = {}
-    if r.get("hang_timeout_s") is not None:
-        extra["hang_timeout_s"] = float(r.hang_timeout_s)
-    if r.get("stuck_timeout_s") is not None:
-        extra["stuck_timeout_s"] = float(r.stuck_timeout_s)
-    ckpt = r.get("checkpoint") or {}
-    if ckpt.get("every_n_steps", 0) > 0:
-        extra.update(checkpoint_dir=str(ckpt.dir), checkpoint_every_n_steps=int(ckpt.every_n_steps))
-    # Resuming: T (like B and G_init) comes from the checkpoint, which may have had more replicas.
-    target = None if cfg.get("ckpt_path") is not None else r.target_replicas
-    return ReCoVerHSDPStrategy(
-        shards=r.shards,
-        grad_accum=r.grad_accum,
-        target_replicas=target,
-        policy=r.policy,
-        min_replicas=r.min_replicas,
-        bucket_mb=float(r.bucket_mb),
-        ledger_path=None if r.ledger_path is None else str(r.ledger_path),
-        seed=cfg.seed,
-        timeout_s=float(r.timeout_s),
-        **extra,
-    )
+    return ReCoVerHSDPStrategy(config=recover)
 
 
 def build_loggers(run_dir: Path) -> list[Any]:
@@ -491,15 +512,14 @@ def usage_exit(message: str, strategy: Any = None) -> NoReturn:
     _leave(strategy, 2)
 
 
-def resolve_resume(cfg: DictConfig) -> str | None:
+def resolve_resume(cfg: DictConfig, recover: RecoverConfig) -> str | None:
     """``ckpt_path``: "last" -> the newest complete checkpoint in recover.checkpoint.dir."""
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path is None:
         return None
     from lightning_recover.callbacks.checkpoint import resolve_ckpt_path
 
-    directory = (cfg.recover.get("checkpoint") or {}).get("dir")
-    return resolve_ckpt_path(str(ckpt_path), None if directory is None else str(directory))
+    return resolve_ckpt_path(str(ckpt_path), recover.checkpoint.dir)
 
 
 def _is_policy_stop(exc: BaseException) -> bool:
@@ -515,8 +535,9 @@ def train(cfg: DictConfig) -> None:
     """Validate, build, fit, print the leader's summary, and leave through strategy.shutdown."""
     strategy: Any = None
     first: Any = None
+    recover: RecoverConfig | None = None
     try:
-        validate(cfg)
+        recover = validate(cfg)
         specs = fault_schedule(cfg)  # imports Lightning
         import torch  # noqa: F401  (loaded here, after the cheap checks)
         from torch.utils.data import DataLoader
@@ -533,11 +554,11 @@ def train(cfg: DictConfig) -> None:
         model = build_model(cfg)
         dataset = build_data(cfg)
         if hasattr(dataset, "__len__") and cfg.get("ckpt_path") is None:
-            check_dataset_size(cfg, len(dataset))
-        ckpt_path = resolve_resume(cfg)
+            check_dataset_size(cfg, recover, len(dataset))
+        ckpt_path = resolve_resume(cfg, recover)
         loader = DataLoader(dataset, batch_size=cfg.data.microbatch_size, shuffle=False)
-        strategy = build_strategy(cfg)
-        tokens_per_mb = cfg.data.microbatch_size * cfg.recover.shards * cfg.model.block_size
+        strategy = build_strategy(recover)
+        tokens_per_mb = cfg.data.microbatch_size * recover.shards * cfg.model.block_size
         trainer = build_trainer(cfg, strategy, [first, FaultInjection(specs), StepMetrics(tokens_per_mb)], run_dir)
         trainer.fit(model, loader, ckpt_path=ckpt_path)
     except SystemExit:
@@ -546,7 +567,7 @@ def train(cfg: DictConfig) -> None:
         if _is_policy_stop(exc) and strategy is not None:
             # Too few live replicas to continue in place: a clear stop; relaunch with ckpt_path=last.
             if strategy.global_rank == 0:
-                hint = "; relaunch with ckpt_path=last" if strategy.checkpoint_dir is not None else ""
+                hint = "; relaunch with ckpt_path=last" if recover is not None and recover.checkpoint.enabled else ""
                 print(f"{PROG}: stopping: {' '.join(str(exc).split())}{hint}", file=sys.stderr, flush=True)
             _leave(strategy, 3)
         if not (first is not None and first.started) and not os.environ.get("LR_TRACEBACK"):
@@ -562,12 +583,13 @@ def train(cfg: DictConfig) -> None:
         # A rank that fails mid-run must not wait in MPI_Finalize for peers that are still training.
         _leave(None, 1)
 
+    assert recover is not None
     if strategy.global_rank == 0:
-        print(summary_line(cfg, strategy, trainer.global_step), flush=True)
+        print(summary_line(recover, strategy, trainer.global_step), flush=True)
     strategy.shutdown(exit_code=0)
 
 
-def summary_line(cfg: DictConfig, strategy: Any, steps: int) -> str:
+def summary_line(recover: RecoverConfig, strategy: Any, steps: int) -> str:
     record = strategy.last_record or {}
     loss = float(record.get("loss", float("nan")))
     comm = strategy.comm
@@ -576,7 +598,7 @@ def summary_line(cfg: DictConfig, strategy: Any, steps: int) -> str:
     return (
         f"{PROG}: done: {steps} steps, final loss {loss:.4f} (ppl {math.exp(min(loss, 50.0)):.2f}), B={record.get('B')}, "
         f"faults {strategy.faults_seen}, live replicas {alive}/{total}, world epoch {record.get('world_epoch', 0)}, "
-        f"ledger {cfg.recover.ledger_path}"
+        f"ledger {recover.ledger_path}"
     )
 
 

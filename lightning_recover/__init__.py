@@ -1,25 +1,38 @@
 """lightning-recover: survive replica failures in Lightning HSDP training without restarting.
 
-Layers (see DESIGN.md):
-  communicator  fault-aware ULFM collectives, world epochs, replica-consistency gate
-  policy        versatile workload (constant B, spares, boundary steps)
+Layers (see DESIGN.md), bottom up:
+  topology      world rank <-> (replica, shard)
+  config        RecoverConfig: every setting, validated once (ConfigurationError)
+  communicator  layer 1: fault-aware ULFM collectives and membership (world epochs, repair)
+  lifecycle     a rank's start and end: crash hook, replica-consistency gate, fencing, markers
+  watchdog      hang detection: heartbeats, same-host kill of stopped or stuck ranks
+  policy        layer 3: versatile workload (constant B, spares, boundary steps)
   planner       exactly-once microbatch ids -> samples, per-microbatch RNG
-  ledger        one JSON line per committed step, and its checker
-  watchdog      hang detection: heartbeats, same-host kill of stopped ranks
-  strategies    the Lightning strategy that ties them together
-  callbacks     snapshots, epoch checks, boundary scheduling, fault injection, checkpoints
+  data          step tickets and the microbatch source
+  ledger        one JSON line per committed step, the leader's writer, the checker
+  recovery      layer 2: the step engine, its communicator contract, hooks and a fake world
+  callbacks     recovery callbacks (reduction buffers, epoch check, boundary scheduling),
+                fault injection, fallback checkpoints
+  strategies    the Lightning strategy: Lightning's hooks, delegating to the step engine
   loggers       CSV logs a new leader continues
-  launcher/cli  lightning-recover launch | check-ledger | chaos | demo
-  goodput       the discrete-event goodput model behind benchmarks/simulate.py
+  launcher/cli  lightning-recover launch | check-ledger
+
+The demo (examples/demo.py), the chaos campaign (benchmarks/chaos.py) and the goodput
+model (benchmarks/goodput_model.py) are tools of the source checkout, not of the package.
+Importing any module changes no process-wide state; setting up the strategy does.
 """
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    # Lazy: the pure layers (policy, planner, ledger) must import without torch or MPI.
+    # Lazy: the pure layers (policy, planner, ledger, config) must import without torch or MPI.
     if name == "ReCoVerHSDPStrategy":
         from lightning_recover.strategies import ReCoVerHSDPStrategy
 
         return ReCoVerHSDPStrategy
+    if name == "RecoverConfig":
+        from lightning_recover.config import RecoverConfig
+
+        return RecoverConfig
     raise AttributeError(name)

@@ -98,6 +98,9 @@ def launch_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
 
 #: Exit status when the supervisor had to end a job whose ranks were all gone.
 ABORTED_STATUS = 70
+#: What Open MPI 5 prints when its runtime failed to start at all (a PMIx listener race, also
+#: seen in other projects' CI): no rank ran, so a harness may launch such a job once more.
+RUNTIME_START_FAILURE = "The PMIx server's listener thread failed to start"
 _RUNTIME = {"mpiexec", "mpirun", "prterun", "prte", "prted", "orterun"}
 
 

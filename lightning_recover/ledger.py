@@ -25,6 +25,7 @@ __all__ = [
     "LedgerFormatError",
     "LedgerVerdict",
     "LedgerWriter",
+    "LeaderLedger",
     "check_ledger",
     "main",
     "read_ledger",
@@ -131,6 +132,67 @@ class LedgerWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class LeaderLedger:
+    """The ledger of a job whose leader can change: every rank keeps the recent records,
+    the current leader writes them.
+
+    Every rank hands each committed record to :meth:`record`; only the rank that leads
+    (world rank 0 of the current membership) writes. A rank that becomes leader after the
+    old one died first appends the committed steps the old leader had not written (from
+    its own recent history), so the file never skips a step. A resumed run drops the lines
+    of steps after its checkpoint the first time it writes: those steps are redone.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, resumed: bool = False, history: int = 64) -> None:
+        self.path = Path(path)
+        self.resumed = resumed
+        self._history: list[dict[str, Any]] = []
+        self._keep = history
+        self._writer: LedgerWriter | None = None
+        self._led = False  # this rank has written (or rewritten) the file
+
+    def record(self, record: dict[str, Any], is_leader: bool) -> None:
+        """Remember a committed step; write it (and anything missing before it) if leading."""
+        self._history = (self._history + [record])[-self._keep :]
+        if is_leader:
+            self._write(record)
+
+    def backfill(self, is_leader: bool) -> None:
+        """A new leader at the end of the job writes the last committed step if the old one did not."""
+        if not is_leader or not self._history or self._writer is not None:
+            return  # nothing committed, or this rank has led all along: nothing is missing
+        last = self._history[-1]
+        if last["step"] in self._written_steps():
+            return
+        self._write(last)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def _written_steps(self) -> set[int]:
+        return {line["step"] for line in read_ledger(self.path)} if self.path.exists() else set()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._writer is None and self.resumed and not self._led:
+            keep = [line for line in read_ledger(self.path) if line["step"] < record["step"]] if self.path.exists() else []
+            with LedgerWriter(self.path) as rewrite:
+                for line in keep:
+                    rewrite.write(line)
+            self._led = True
+        if self._writer is None:
+            fresh = not self._led and record["step"] == 0
+            self._writer = LedgerWriter(self.path, append=not fresh)
+            self._led = True
+            if not fresh:
+                done = self._written_steps()
+                for old in self._history[:-1]:
+                    if old["step"] not in done:
+                        self._writer.write(old)
+        self._writer.write(record)
 
 
 def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -14,11 +14,15 @@ from typing import Any
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from typing_extensions import override
 
 
 class ContinuingWriter(ExperimentWriter):
     """An ExperimentWriter that keeps the rows an earlier leader wrote."""
 
+    # Private Lightning API: the writer's only way to keep an existing metrics.csv is to
+    # skip this check (Lightning 2.6 offers no option); revisit on upgrades.
+    @override
     def _check_log_dir_exists(self) -> None:
         pass
 
@@ -31,8 +35,11 @@ class LeaderCSVLogger(CSVLogger):
         super().__init__(*args, **kwargs)
 
     @property
+    @override
     @rank_zero_experiment
     def experiment(self) -> ExperimentWriter:
+        # CSVLogger builds its writer inline here (private `_experiment`, `_fs`); overriding the
+        # property is the only way to substitute ContinuingWriter in Lightning 2.6.
         if self._experiment is None:
             self._fs.makedirs(self.root_dir, exist_ok=True)
             self._experiment = ContinuingWriter(log_dir=self.log_dir)

@@ -11,6 +11,9 @@ are replayed by the survivors (a boundary step). `AdaptiveWorld` is the ablation
 behaves like torchft: lost ids are dropped and the step divides by what survived.
 
 The module is deliberately pure Python (no torch, no MPI) so it can be tested exhaustively.
+Bad settings (sizes, T, min_replicas, the policy name, a checkpoint of other settings) raise
+:class:`lightning_recover.config.ConfigurationError`; misuse of the protocol raises
+ValueError or :class:`PolicyError`, and running out of replicas :class:`TooFewReplicasError`.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import operator
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from lightning_recover.config import POLICY_NAMES, ConfigurationError
 
 __all__ = [
     "AdaptiveWorld",
@@ -225,14 +230,19 @@ def _as_int(value: Any) -> int | None:
         return None
 
 
-def _check_int(name: str, value: Any, minimum: int, fix: str) -> int:
+def _check_int(name: str, value: Any, minimum: int, fix: str, error: type[ValueError] = ValueError) -> int:
+    """``value`` as an int >= minimum; ``error`` is ConfigurationError for a setting."""
     as_int = _as_int(value)
     if as_int is None:
-        raise ValueError(f"{name} must be an integer, got {value!r}; {fix}")
+        raise error(f"{name} must be an integer, got {value!r}; {fix}")
     value = as_int
     if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}; {fix}")
+        raise error(f"{name} must be >= {minimum}, got {value}; {fix}")
     return value
+
+
+def _check_setting(name: str, value: Any, minimum: int, fix: str) -> int:
+    return _check_int(name, value, minimum, fix, error=ConfigurationError)
 
 
 class WorkloadPolicy(abc.ABC):
@@ -261,11 +271,11 @@ class WorkloadPolicy(abc.ABC):
 
     @staticmethod
     def _check_min_replicas(min_replicas: int, W_init: int) -> int:
-        min_replicas = _check_int(
+        min_replicas = _check_setting(
             "min_replicas", min_replicas, 1, "set recover.min_replicas to at least 1"
         )
         if min_replicas > W_init:
-            raise ValueError(
+            raise ConfigurationError(
                 f"min_replicas must be <= W_init={W_init}, got {min_replicas}; "
                 f"lower recover.min_replicas or start more replicas"
             )
@@ -372,14 +382,15 @@ class WorkloadPolicy(abc.ABC):
         }
 
     def _load_common(self, d: Mapping[str, Any]) -> None:
+        # A checkpoint that does not match this run's settings: the fix is a setting.
         if d.get("policy") != self.name:
-            raise ValueError(
+            raise ConfigurationError(
                 f"policy state is for {d.get('policy')!r}, not {self.name!r}; "
                 f"resume with recover.policy={d.get('policy')!r} or start fresh"
             )
         for key in ("W_init", "G_init", "T", "B"):
             if d.get(key) != getattr(self, key):
-                raise ValueError(
+                raise ConfigurationError(
                     f"policy state has {key}={d.get(key)!r} but this run has "
                     f"{key}={getattr(self, key)}; B must stay constant across a resume, "
                     f"configure the run with the checkpoint's {key}"
@@ -429,13 +440,13 @@ class StaticWorld(WorkloadPolicy):
     def __init__(
         self, W_init: int, G_init: int, T: int | None = None, min_replicas: int = 1
     ) -> None:
-        W_init = _check_int("W_init", W_init, 1, "start at least one replica")
-        G_init = _check_int("G_init", G_init, 1, "set recover.grad_accum to a positive integer")
+        W_init = _check_setting("W_init", W_init, 1, "start at least one replica")
+        G_init = _check_setting("G_init", G_init, 1, "set recover.grad_accum to a positive integer")
         if T is None:
             T = W_init
-        T = _check_int("T", T, 1, "set recover.target_replicas to at least 1 (or leave it unset)")
+        T = _check_setting("T", T, 1, "set recover.target_replicas to at least 1 (or leave it unset)")
         if T > W_init:
-            raise ValueError(
+            raise ConfigurationError(
                 f"T (target contributing replicas) must be <= W_init={W_init}, got {T}; "
                 f"lower recover.target_replicas or start more replicas"
             )
@@ -583,8 +594,8 @@ class AdaptiveWorld(WorkloadPolicy):
     name = "adaptive"
 
     def __init__(self, W_init: int, G_init: int, min_replicas: int = 1) -> None:
-        W_init = _check_int("W_init", W_init, 1, "start at least one replica")
-        G_init = _check_int("G_init", G_init, 1, "set recover.grad_accum to a positive integer")
+        W_init = _check_setting("W_init", W_init, 1, "start at least one replica")
+        G_init = _check_setting("G_init", G_init, 1, "set recover.grad_accum to a positive integer")
         min_replicas = self._check_min_replicas(min_replicas, W_init)
         super().__init__(W_init, G_init, W_init, min_replicas)
         self.G_cur = G_init
@@ -635,9 +646,6 @@ class AdaptiveWorld(WorkloadPolicy):
         return record
 
 
-POLICY_NAMES: tuple[str, ...] = ("static", "adaptive")
-
-
 def make_policy(
     name: str, W_init: int, G_init: int, T: int | None = None, min_replicas: int = 1
 ) -> WorkloadPolicy:
@@ -647,9 +655,9 @@ def make_policy(
         return StaticWorld(W_init, G_init, T=T, min_replicas=min_replicas)
     if key == "adaptive":
         if T is not None and T != W_init:
-            raise ValueError(
+            raise ConfigurationError(
                 f"AdaptiveWorld has no spares, so T must equal W_init={W_init}, got T={T}; "
                 f"leave recover.target_replicas unset for the adaptive policy"
             )
         return AdaptiveWorld(W_init, G_init, min_replicas=min_replicas)
-    raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
+    raise ConfigurationError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)} (recover.policy)")

@@ -14,9 +14,9 @@ Every rank runs a daemon thread that, every ``period`` seconds,
   ``hang_timeout`` is hung (a stopped process runs no thread). A rank that has been
   computing for ``stuck_timeout`` without its progress counter moving is stuck in
   compute (its heartbeat thread lives on, so only the progress rule can see it). Either
-  way the watcher SIGKILLs it -- after checking that the pid still belongs to the same
-  process -- and ULFM then reports an ordinary death to the survivors, who repair as for
-  any failure.
+  way the watcher SIGKILLs it with :func:`lightning_recover.lifecycle.kill_process`
+  (which checks that the pid still belongs to the same process) and ULFM then reports an
+  ordinary death to the survivors, who repair as for any failure.
 
 *Computing* is narrow on purpose: the strategy raises it only inside a training step
 (microbatches, gradient bookkeeping, the optimizer update) and lowers it while the rank
@@ -34,13 +34,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from lightning_recover.lifecycle import kill_process, process_start_time
 
 ENV_TIMEOUT = "LIGHTNING_RECOVER_HANG_TIMEOUT"
 DEFAULT_HANG_TIMEOUT = 10.0
@@ -58,15 +59,6 @@ def default_hang_timeout() -> float | None:
     if value < 0:
         raise ValueError(f"{ENV_TIMEOUT}={raw!r} must be >= 0 seconds")
     return value or None
-
-
-def _start_time(pid: int) -> str | None:
-    """Process start time (clock ticks since boot) from /proc: tells a pid's reuse apart."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
 
 
 def job_directory(job_id: str | None = None) -> Path:
@@ -105,7 +97,7 @@ class HangWatchdog:
         self.computing = False
         self.killed: dict[int, str] = {}
         self._pid = os.getpid()
-        self._start = _start_time(self._pid)
+        self._start = process_start_time(self._pid)
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (progress, when it last moved)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lightning-recover-watchdog", daemon=True)
@@ -179,15 +171,8 @@ class HangWatchdog:
                 self._kill(rank, int(beat["pid"]), beat.get("start"), reason)
 
     def _kill(self, rank: int, pid: int, start: str | None, reason: str) -> None:
-        self.killed[rank] = reason
-        if _start_time(pid) is None or _start_time(pid) != start:
-            return  # already gone (or the pid now belongs to someone else)
-        print(f"[lightning-recover] watchdog on rank {self.rank}: killing rank {rank} (pid {pid}): {reason}", file=sys.stderr, flush=True)
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            return
-        if self.on_kill is not None:
+        self.killed[rank] = reason  # decided once: a pid that is gone or reused is never retried
+        if kill_process(pid, start, reason, by=f"watchdog on rank {self.rank}", target=f"rank {rank}") and self.on_kill is not None:
             self.on_kill(rank, reason)
 
 

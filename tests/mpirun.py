@@ -1,7 +1,8 @@
 """Run real mpiexec jobs from pytest through the project's launcher, with a hard timeout.
 
 Every job runs in its own process group; on timeout the whole group is SIGKILLed, so no
-test can leave ranks behind or hang CI.
+test can leave ranks behind or hang CI. Launched jobs import the package and the checkout's
+``benchmarks/`` (the workers build the chaos campaign's tiny model) from this checkout.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_recover.chaos import RUNTIME_START_FAILURE
+from lightning_recover.launcher import RUNTIME_START_FAILURE
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
 WORKERS = Path(__file__).resolve().parent / "workers"
 
 
@@ -55,7 +57,8 @@ def _run_once(
         cmd += ["--hang-timeout", str(hang_timeout)]
     cmd += ["--", sys.executable, *args]
     full_env = dict(os.environ)
-    full_env.update({"LR_TEST_OUT": str(outdir), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    pythonpath = os.pathsep.join([str(ROOT), str(BENCHMARKS)])
+    full_env.update({"LR_TEST_OUT": str(outdir), "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath})
     full_env.update(env or {})
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True

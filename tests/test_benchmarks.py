@@ -7,16 +7,12 @@ The pure helpers run without MPI; the ``mpi`` tests launch 2-rank jobs of
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import goodput  # noqa: E402
-import overhead  # noqa: E402
+import goodput  # benchmarks/ is on sys.path (tests/conftest.py)
+import overhead
 
 
 def test_kill_plan_lands_every_k_steps_on_distinct_replicas() -> None:

@@ -1,4 +1,4 @@
-"""Bucket planning and per-bucket epoch bookkeeping of the communicator (no mpiexec).
+"""Bucket planning and per-bucket world-epoch bookkeeping of the communicator (no mpiexec).
 
 The last group of tests builds a FaultTolerantComm in this very process: mpi4py starts
 it as an MPI singleton (a world of one rank), where a SUM all-reduce is the identity. That
@@ -12,7 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.communicator import Bucket, FaultTolerantComm, ReduceHandle, plan_buckets
+from lightning_recover import lifecycle
+from lightning_recover.communicator import FaultTolerantComm
+from lightning_recover.recovery.buckets import Bucket, ReduceHandle, plan_buckets
 
 sizes_st = st.lists(st.integers(0, 300), max_size=12)
 bucket_st = st.integers(1, 128)
@@ -40,7 +42,7 @@ def test_bucket_sizes(sizes: list[int], bucket: int) -> None:
         assert 0 < b.numel <= bucket
         assert b.numel == sum(e - s for _, s, e in b.segments)
         assert all(e > s for _, s, e in b.segments), "no empty segments"
-        assert b.epoch is None, "a fresh plan has no completed bucket"
+        assert b.world_epoch is None, "a fresh plan has no completed bucket"
     # Greedy packing: every bucket but the last is full, so the count is minimal.
     assert all(b.numel == bucket for b in buckets[:-1])
     assert len(buckets) == -(-sum(sizes) // bucket)
@@ -82,17 +84,17 @@ def test_bad_bucket_size_named(bad: int) -> None:
 
 
 # ------------------------------------------------------------------------------ ReduceHandle
-def _handle(epochs: list[int | None]) -> ReduceHandle:
-    return ReduceHandle([Bucket([(0, i, i + 1)], 1, epoch=e) for i, e in enumerate(epochs)])
+def _handle(world_epochs: list[int | None]) -> ReduceHandle:
+    return ReduceHandle([Bucket([(0, i, i + 1)], 1, world_epoch=e) for i, e in enumerate(world_epochs)])
 
 
 def test_stale_and_pending() -> None:
     h = _handle([0, 0, 1, None, 1])
-    # In epoch 1: buckets 0-1 completed under epoch 0 (stale), 3 never completed.
+    # In world epoch 1: buckets 0-1 completed under world epoch 0 (stale), 3 never completed.
     assert h.stale(1) == [0, 1]
     assert h.pending(1) == [0, 1, 3]
     assert not h.complete(1)
-    # Seen from epoch 0, the epoch-1 buckets are the "other" epoch.
+    # Seen from world epoch 0, the world-epoch-1 buckets are the "other" ones.
     assert h.stale(0) == [2, 4]
     assert h.pending(0) == [2, 3, 4]
 
@@ -108,19 +110,20 @@ def test_fresh_and_finished_handles() -> None:
 
 @settings(deadline=None)
 @given(st.lists(st.one_of(st.none(), st.integers(0, 4)), max_size=20), st.integers(0, 4))
-def test_stale_pending_properties(epochs: list[int | None], epoch: int) -> None:
-    h = _handle(epochs)
-    stale, pending = h.stale(epoch), h.pending(epoch)
-    never = [i for i, e in enumerate(epochs) if e is None]
+def test_stale_pending_properties(world_epochs: list[int | None], world_epoch: int) -> None:
+    h = _handle(world_epochs)
+    stale, pending = h.stale(world_epoch), h.pending(world_epoch)
+    never = [i for i, e in enumerate(world_epochs) if e is None]
     assert set(stale) <= set(pending)
     assert sorted(set(stale) | set(never)) == pending  # pending = stale + never completed
-    assert all(epochs[i] == epoch for i in range(len(epochs)) if i not in pending)
-    assert h.complete(epoch) == (not pending)
+    assert all(world_epochs[i] == world_epoch for i in range(len(world_epochs)) if i not in pending)
+    assert h.complete(world_epoch) == (not pending)
 
 
 # ------------------------------------------------------------------------------ singleton comm
 @pytest.fixture(scope="module")
 def comm():
+    lifecycle.prepare_mpi()  # as the strategy does: no MPI_Finalize when pytest exits
     c = FaultTolerantComm(bucket_bytes=64)  # 16 fp32 elements per bucket
     yield c
     c.free()
@@ -139,7 +142,7 @@ def test_singleton_reduce_is_identity_out_of_place(comm: FaultTolerantComm, dtyp
     out = [torch.full_like(t, -7) for t in tensors]
     handle = comm.allreduce(tensors, out)
     assert all(torch.equal(a, b) for a, b in zip(tensors, out))
-    assert handle.complete(comm.epoch) and all(b.epoch == comm.epoch for b in handle.buckets)
+    assert handle.complete(comm.world_epoch) and all(b.world_epoch == comm.world_epoch for b in handle.buckets)
     assert handle.snapshots == {}, "out-of-place keeps no snapshots: the inputs are the rollback copy"
 
 
@@ -153,14 +156,14 @@ def test_in_place_snapshots_and_rolls_back_stale_buckets(comm: FaultTolerantComm
     # bucket is now stale and must be restored from its snapshot and reduced again.
     for t in work:
         t.add_(1000)
-    comm.epoch += 1
+    comm.world_epoch += 1
     try:
-        assert handle.stale(comm.epoch) == list(range(len(handle.buckets)))
+        assert handle.stale(comm.world_epoch) == list(range(len(handle.buckets)))
         comm.allreduce(work, handle=handle)
         assert all(torch.equal(a, b) for a, b in zip(work, local))
-        assert handle.complete(comm.epoch)
+        assert handle.complete(comm.world_epoch)
     finally:
-        comm.epoch -= 1
+        comm.world_epoch -= 1
 
 
 def test_resume_redoes_only_pending_buckets(comm: FaultTolerantComm) -> None:
@@ -170,7 +173,7 @@ def test_resume_redoes_only_pending_buckets(comm: FaultTolerantComm) -> None:
     visited: list[int] = []
     comm.allreduce(src, out, handle=handle, on_bucket=visited.append)
     assert visited == [0, 1, 2]
-    handle.buckets[1].epoch = None  # as if bucket 1 was interrupted
+    handle.buckets[1].world_epoch = None  # as if bucket 1 was interrupted
     visited.clear()
     comm.allreduce(src, out, handle=handle, on_bucket=visited.append)
     assert visited == [1]
@@ -187,3 +190,20 @@ def test_tensor_errors_are_named(comm: FaultTolerantComm) -> None:
         comm.allreduce([torch.zeros(4, dtype=torch.complex64)])
     with pytest.raises(ValueError, match="across must be 'replicas' or 'world', got 'nodes'"):
         comm.allreduce([torch.zeros(4)], across="nodes")
+
+
+def test_after_bucket_sees_each_bucket_tagged_with_the_current_world_epoch(comm: FaultTolerantComm) -> None:
+    src = [torch.arange(48, dtype=torch.float32)]
+    out = [torch.zeros(48)]
+    handle = comm.plan(src)
+    order: list[tuple[str, int]] = []
+    tags: list[int | None] = []
+
+    def after(i: int) -> None:
+        order.append(("after", i))
+        tags.append(handle.buckets[i].world_epoch)
+
+    comm.allreduce(src, out, handle=handle, on_bucket=lambda i: order.append(("before", i)), after_bucket=after)
+    assert order == [("before", 0), ("after", 0), ("before", 1), ("after", 1), ("before", 2), ("after", 2)]
+    assert tags == [comm.world_epoch] * 3
+    assert torch.equal(out[0], src[0])

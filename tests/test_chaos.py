@@ -1,4 +1,5 @@
-"""The chaos campaign: its draws are sane, and a short campaign of real runs has no violation."""
+"""The chaos campaign (benchmarks/chaos.py): its draws are sane, and a short campaign of real
+runs has no violation."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.chaos import PHASES, draw_run
+from chaos import PHASES, draw_run  # benchmarks/chaos.py (tests/conftest.py puts benchmarks/ on sys.path)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @settings(max_examples=300, deadline=None)
@@ -40,7 +43,7 @@ def test_stuck_faults_replace_only_some_hangs(seed: int, steps: int) -> None:
 def test_short_campaign_has_no_violation(tmp_path: Path) -> None:
     # With --stuck, seed 2026 draws 3 SIGSTOPs and 1 rank spinning in compute among 19 faults.
     cmd = [
-        sys.executable, "-m", "lightning_recover.cli", "chaos", "--runs", "10", "--seed", "2026", "--steps", "2", "--stuck",
+        sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--runs", "10", "--seed", "2026", "--steps", "2", "--stuck",
         "--out", str(tmp_path),
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)

@@ -21,10 +21,14 @@ def _check_survivors(job, results, survivors: list[int], lost_ranks: list[int]) 
     assert sorted(results) == survivors, job.describe()
     for rank, res in results.items():
         assert res["exact"], f"rank {rank}: wrong sums after recovery\n{job.describe()}"
-        assert res["epoch"] == 1, f"rank {rank}: epoch {res['epoch']}, expected exactly one advance"
+        assert res["world_epoch"] == 1, f"rank {rank}: world epoch {res['world_epoch']}, expected exactly one advance"
         assert res["members"] == survivors
         assert res["local_unchanged"], "out-of-place reduce must leave the local values (the rollback copy) intact"
-        assert all(e == 1 for e in res["bucket_epochs"]), "every committed bucket must be from the final epoch"
+        assert all(e == 1 for e in res["bucket_world_epochs"]), "every committed bucket must be from the final world epoch"
+        # after_bucket saw every bucket it reported already tagged with the current world
+        # epoch, and in the final world epoch it reported each bucket exactly once.
+        assert all(tagged for _, tagged, _ in res["completed"]), res["completed"]
+        assert sorted(i for i, _, e in res["completed"] if e == 1) == list(range(res["buckets"]))
         repairs = [e for e in res["events"] if "repair" in e]
         assert len(repairs) == 1
         assert repairs[0]["repair"]["lost_ranks"] == lost_ranks
@@ -37,7 +41,7 @@ def test_one_kill_during_bucketed_reduce(tmp_path: Path) -> None:
     _check_survivors(job, results, [0, 1, 3], [2])
     for res in results.values():
         repair = next(e for e in res["events"] if "repair" in e)
-        # The victim died before bucket 3: buckets 0-2 had completed under epoch 0 and are stale.
+        # The victim died before bucket 3: buckets 0-2 had completed under world epoch 0 and are stale.
         assert repair["stale"] == [0, 1, 2]
         assert res["buckets"] == 9
 

@@ -194,6 +194,20 @@ def test_no_command_prints_usage(capsys: pytest.CaptureFixture) -> None:
     out = capsys.readouterr().out
     assert "usage: lightning-recover COMMAND" in out
     assert "launch" in out and "check-ledger" in out
+    assert "demo" not in out and "chaos" not in out, "the checkout's tools are not commands of the package"
+
+
+@pytest.mark.parametrize(("command", "script"), [("demo", "examples/demo.py"), ("chaos", "benchmarks/chaos.py")])
+def test_moved_commands_name_the_script_that_replaces_them(command: str, script: str, capsys: pytest.CaptureFixture) -> None:
+    assert cli.main([command, "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"lightning-recover: {command!r} is no longer a command; from a source checkout run: python {script}\n"
+    # The script it names exists in the checkout and starts (its --help needs no MPI job).
+    res = subprocess.run(
+        [sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60, start_new_session=True
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"usage: python {script} ")
 
 
 def test_help_prints_usage(capsys: pytest.CaptureFixture) -> None:

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from lightning_recover.config import ConfigurationError
 from lightning_recover.policy import (
     AdaptiveWorld,
     CommitRecord,
@@ -448,8 +449,10 @@ def test_too_few_replicas():
     ],
 )
 def test_bad_constructor_args(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    # Bad settings raise the one configuration error type (a ValueError).
+    with pytest.raises(ConfigurationError, match=match):
         StaticWorld(**kwargs)
+    assert issubclass(ConfigurationError, ValueError)
 
 
 def test_protocol_misuse_errors():
@@ -462,12 +465,14 @@ def test_protocol_misuse_errors():
     with pytest.raises(ReplicaNotLiveError, match="replica 5 is not live") as err:
         plan.for_replica(5)
     assert isinstance(err.value, KeyError)
-    with pytest.raises(ValueError, match=r"replica index 9 is not in 0\.\.2"):
+    with pytest.raises(ValueError, match=r"replica index 9 is not in 0\.\.2") as misuse:
         pol.fail([9])
+    assert not isinstance(misuse.value, ConfigurationError), "protocol misuse is not a settings error"
     pol.fail([2])
     pol.commit()
-    with pytest.raises(ValueError, match="re-join"):
+    with pytest.raises(ValueError, match="re-join") as misuse:
         pol.begin_step(1, range(3))
+    assert not isinstance(misuse.value, ConfigurationError)
     with pytest.raises(ValueError, match="already committed"):
         pol.begin_step(0, [0, 1])
 
@@ -482,9 +487,10 @@ def test_state_dict_round_trip_and_mismatch():
     other.load_state_dict(state)
     assert other.live == (0, 2, 3, 5) and other.G_cur == pol.G_cur and other.next_step == 1
     assert other.begin_step(1, other.live) == pol.begin_step(1, pol.live)
-    with pytest.raises(ValueError, match="T=5 but this run has T=6"):
+    # A checkpoint of other settings: the fix is a setting, so it is a configuration error.
+    with pytest.raises(ConfigurationError, match="T=5 but this run has T=6"):
         StaticWorld(W_init=6, G_init=3).load_state_dict(state)
-    with pytest.raises(ValueError, match="'static', not 'adaptive'"):
+    with pytest.raises(ConfigurationError, match="'static', not 'adaptive'"):
         AdaptiveWorld(6, 3).load_state_dict(state)
 
 
@@ -492,9 +498,9 @@ def test_make_policy():
     assert isinstance(make_policy("static", 4, 2), StaticWorld)
     assert make_policy("static", 4, 2, T=3).B == 6
     assert isinstance(make_policy("adaptive", 4, 2), AdaptiveWorld)
-    with pytest.raises(ValueError, match=r"unknown policy 'elastic'.*static, adaptive"):
+    with pytest.raises(ConfigurationError, match=r"unknown policy 'elastic'.*static, adaptive"):
         make_policy("elastic", 4, 2)
-    with pytest.raises(ValueError, match="T must equal W_init"):
+    with pytest.raises(ConfigurationError, match="T must equal W_init"):
         make_policy("adaptive", 4, 2, T=3)
 
 

@@ -22,6 +22,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from lightning_recover.config import CheckpointConfig, ConfigurationError, RecoverConfig
 from lightning_recover.ledger import check_ledger, read_ledger
 from mpirun import ROOT, run_mpi
 
@@ -54,8 +55,15 @@ def test_defaults_compose() -> None:
 
 
 def _with_ledger(cfg, path):  # type: ignore[no-untyped-def]
+    """``cfg`` with this ledger path, validated outside a Hydra run.
+
+    Without a Hydra run the defaults' ``${hydra:runtime.output_dir}`` paths cannot be
+    resolved, so a checkpoint directory still at its default is dropped too.
+    """
     cfg = cfg.copy()
     cfg.recover.ledger_path = None if path is None else str(path)
+    if str(OmegaConf.to_container(cfg.recover, resolve=False)["checkpoint"]["dir"]).startswith("${hydra:"):
+        cfg.recover.checkpoint.dir = None
     return cfg
 
 
@@ -174,7 +182,7 @@ def test_named_fault_schedule_parses() -> None:
 def test_validate_names_the_value(overrides: list[str], world: int, needle: str) -> None:
     cfg = _with_ledger(cfg_of(*overrides), None)
     cfg.recover.checkpoint.dir = None
-    with pytest.raises(pretrain.UsageError) as info:
+    with pytest.raises(ConfigurationError) as info:
         pretrain.validate(cfg, world_size=world)
     assert needle in str(info.value)
     assert "\n" not in str(info.value)
@@ -184,21 +192,87 @@ def test_resume_defers_b_to_the_checkpoint(tmp_path: Path) -> None:
     # Resuming on fewer replicas than the checkpoint's T: B, G_init and T come from the checkpoint.
     cfg = _with_ledger(cfg_of("recover.target_replicas=4", "++ckpt_path=last", f"recover.checkpoint.dir={tmp_path}"), None)
     pretrain.validate(cfg, world_size=2)
-    with pytest.raises(pretrain.UsageError, match="recover.target_replicas=4"):
+    with pytest.raises(ConfigurationError, match="recover.target_replicas=4"):
         pretrain.validate(_with_ledger(cfg_of("recover.target_replicas=4"), None), world_size=2)
+
+
+def test_recover_group_is_typed_by_recover_config() -> None:
+    # The group sets every RecoverConfig field but seed (the top-level seed seeds everything).
+    group = OmegaConf.to_container(cfg_of().recover, resolve=False)
+    assert isinstance(group, dict)
+    assert set(group) == {f.name for f in dataclasses.fields(RecoverConfig)} - {"seed"}
+    assert set(group["checkpoint"]) == {f.name for f in dataclasses.fields(CheckpointConfig)}
+    schema = pretrain.recover_schema()
+    assert OmegaConf.get_type(schema) is RecoverConfig
+    assert OmegaConf.get_type(schema.checkpoint) is CheckpointConfig
+
+
+def test_recover_config_is_built_once_from_the_group(tmp_path: Path) -> None:
+    ledger = tmp_path / "run" / "ledger.jsonl"
+    overrides = ["seed=7", "recover.shards=2", "recover.target_replicas=3", "recover.grad_accum=4", "recover.hang_timeout_s=5",
+                 "recover.bucket_mb=1", "recover.shards='2'", "recover.checkpoint.every_n_steps=2", f"recover.checkpoint.dir={tmp_path}/ck"]
+    cfg = _with_ledger(cfg_of(*overrides), ledger)
+    expected = RecoverConfig(
+        shards=2, grad_accum=4, target_replicas=3, min_replicas=1, bucket_mb=1.0, ledger_path=str(ledger), seed=7,
+        hang_timeout_s=5.0, checkpoint=CheckpointConfig(dir=f"{tmp_path}/ck", every_n_steps=2),
+    )
+    config = pretrain.recover_config(cfg)
+    assert config == expected
+    # Typed by the schema: a quoted number is a number, an int given for a float field a float.
+    assert type(config.shards) is int and type(config.bucket_mb) is float and type(config.hang_timeout_s) is float
+    assert pretrain.validate(cfg, world_size=8) == expected  # 4 replicas: T = 3 fits
+    assert (tmp_path / "ck").is_dir() and not ledger.exists()  # probed, nothing left behind
+    # Resuming: T comes from the checkpoint, so the strategy gets none.
+    resumed = _with_ledger(cfg_of(*overrides, "++ckpt_path=last"), ledger)
+    assert pretrain.validate(resumed, world_size=2) == dataclasses.replace(expected, target_replicas=None)
+
+
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("recover.grad_accum=abc", ["grad_accum must be an integer", "recover.grad_accum='abc'", "set recover.grad_accum"]),
+        ("recover.target_replicas=2.5", ["target_replicas must be an integer", "recover.target_replicas=2.5"]),
+        ("recover.hang_timeout_s=true", ["recover.hang_timeout_s=True", "set recover.hang_timeout_s"]),
+        ("recover.bucket_mb=big", ["recover.bucket_mb='big'", "set recover.bucket_mb"]),
+        ("recover.bucket_mb=0", ["recover.bucket_mb=0.0", "set recover.bucket_mb"]),
+        ("recover.timeout_s=-1", ["recover.timeout_s=-1.0", "set recover.timeout_s"]),
+        ("recover.stuck_timeout_s=-3", ["recover.stuck_timeout_s=-3.0", "set recover.stuck_timeout_s"]),
+        ("recover.policy=[static]", ["unknown policy", "recover.policy=[", "recover.policy=static"]),
+        ("recover.checkpoint.every_n_steps=often", ["recover.checkpoint.every_n_steps='often'", "0 for no checkpoints"]),
+        ("+recover.bucket_size=3", ["recover.bucket_size is not a recover setting", "bucket_mb"]),
+        ("+recover.checkpoint.keep=3", ["recover.checkpoint.keep is not a recover.checkpoint setting", "every_n_steps"]),
+        ("+recover.seed=3", ["recover.seed=3", "use seed=N"]),
+        ("recover.checkpoint.every_n_steps=2", ["recover.checkpoint.every_n_steps=2 > 0 needs recover.checkpoint.dir"]),
+    ],
+)
+def test_recover_type_and_key_errors_name_the_value(override: str, needles: list[str]) -> None:
+    # OmegaConf's own refusals (types, unknown keys) come out as RecoverConfig's one-liners.
+    with pytest.raises(ConfigurationError) as info:
+        pretrain.validate(_with_ledger(cfg_of(override), None), world_size=4)
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_unresolved_hydra_paths_are_named() -> None:
+    # Composed without a Hydra run, ${hydra:runtime.output_dir} has no value: say which setting to give.
+    with pytest.raises(ConfigurationError, match=r"recover.ledger_path cannot be resolved .*set recover.ledger_path explicitly"):
+        pretrain.validate(cfg_of(), world_size=1)
 
 
 def test_fault_schedule_rank_must_exist() -> None:
     cfg = cfg_of("fault.schedule=[{step:1,rank:4,phase:backward}]")
-    with pytest.raises(pretrain.UsageError, match=r"fault.schedule\[0\].rank=4 but the job has 4 rank"):
+    with pytest.raises(ConfigurationError, match=r"fault.schedule\[0\].rank=4 but the job has 4 rank"):
         pretrain.fault_schedule(cfg, world_size=4)
 
 
 def test_dataset_size_check() -> None:
     cfg = cfg_of("recover.grad_accum=2", "data.microbatch_size=4")
-    pretrain.check_dataset_size(cfg, 32, world_size=4)  # B = 8, 8 * 4 = 32 samples: enough
-    with pytest.raises(pretrain.UsageError, match=r"31 samples but one step needs B\*microbatch_size\*shards = 8\*4\*1 = 32"):
-        pretrain.check_dataset_size(cfg, 31, world_size=4)
+    recover = pretrain.recover_config(_with_ledger(cfg, None))
+    pretrain.check_dataset_size(cfg, recover, 32, world_size=4)  # B = 8, 8 * 4 = 32 samples: enough
+    with pytest.raises(ConfigurationError, match=r"31 samples but one step needs B\*microbatch_size\*shards = 8\*4\*1 = 32"):
+        pretrain.check_dataset_size(cfg, recover, 31, world_size=4)
 
 
 def test_ledger_path_test_write_leaves_nothing(tmp_path: Path) -> None:
@@ -230,7 +304,9 @@ class Stream(IterableDataset):
 build = pretrain.build_data
 pretrain.build_data = lambda cfg: Stream(build(cfg))
 with initialize_config_dir(config_dir={conf!r}, version_base="1.3"):
-    cfg = compose("config", overrides=["recover.ledger_path={ledger}", "trainer.max_steps=1", "data.max_bytes=20000"])
+    # No Hydra run here, so the defaults' ${{hydra:...}} paths are replaced.
+    cfg = compose("config", overrides=["recover.ledger_path={ledger}", "recover.checkpoint.dir=null", "trainer.max_steps=1",
+                                       "data.max_bytes=20000"])
 pretrain.train(cfg)
 """
 
@@ -238,6 +314,8 @@ BAD_RUNS: dict[str, tuple[list[str], str]] = {
     # name: (overrides, text the one line must contain)
     "policy": (["recover.policy=bogus"], "recover.policy='bogus'"),
     "grad_accum": (["recover.grad_accum=0"], "recover.grad_accum=0"),
+    "grad_accum_type": (["recover.grad_accum=abc"], "recover.grad_accum='abc'"),
+    "unknown_key": (["+recover.bucket_size=3"], "recover.bucket_size is not a recover setting"),
     "fault_schedule": (["fault.schedule=[{step:1,rank:0,phase:sideways,kind:kill}]"], "phase='sideways'"),
     "corpus": (["data.corpus=/no/such/corpus"], "data.corpus='/no/such/corpus'"),
     "ledger": (["recover.ledger_path={tmp}/afile/ledger.jsonl"], "recover.ledger_path="),
@@ -316,7 +394,7 @@ def test_bad_input_exits_2_with_one_line(bad_runs: dict[str, subprocess.Complete
 def test_single_process_errors_are_the_only_stderr_line(bad_runs: dict[str, subprocess.CompletedProcess]) -> None:
     # Checks that need no model (everything but the fault schedule and dataset size) stop
     # before torch and Lightning load: the error is all there is on stderr.
-    for name in ("policy", "grad_accum", "corpus", "ledger", "shards", "target_replicas", "accumulate", "fp16"):
+    for name in ("policy", "grad_accum", "grad_accum_type", "unknown_key", "corpus", "ledger", "shards", "target_replicas", "accumulate", "fp16"):
         assert bad_runs[name].stderr.strip().splitlines() == error_lines(bad_runs[name].stderr), name
 
 

@@ -1,4 +1,4 @@
-"""Tests of the goodput model (lightning_recover/goodput.py) and benchmarks/simulate.py.
+"""Tests of the goodput model (benchmarks/goodput_model.py) and benchmarks/simulate.py.
 
 The checkpoint-restart simulation is checked against **Daly's higher-order formula**
 (expected wall time per segment ``M e^{R/M} (e^{(tau+delta)/M} - 1)``), which is exact in
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.goodput import (
+import simulate  # benchmarks/ is on sys.path (tests/conftest.py)
+from goodput_model import (
     DAY,
     HOUR,
     ModelParams,
@@ -37,10 +37,6 @@ from lightning_recover.goodput import (
     simulate_replicas,
     young_daly_interval,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import simulate  # noqa: E402
 
 R = 600.0  # restart cost, s
 DELTA = 60.0  # checkpoint write, s

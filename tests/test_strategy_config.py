@@ -120,7 +120,7 @@ def test_bad_arguments_named(kwargs: dict, match: str) -> None:
 
 
 def test_progress_hooks_tick_per_layer_in_forward_and_backward_and_change_nothing(data: ByteDataset) -> None:
-    from lightning_recover.strategies.recover_hsdp import install_progress_hooks
+    from lightning_recover.strategies.probes import install_progress_hooks
 
     x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(2))))
 

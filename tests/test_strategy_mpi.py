@@ -147,6 +147,28 @@ def test_rank_zero_replica_killed_leadership_moves(tmp_path: Path, fault_free: d
     assert steps == set(range(STEPS)), f"metrics.csv has steps {sorted(steps)}, expected 0..{STEPS - 1}"
 
 
+def test_user_recovery_callback_sees_each_lost_replica_once_with_its_world_epoch(
+    tmp_path: Path, fault_free: dict[str, MPIJob]
+) -> None:
+    # Replica 1 dies in step 1's backward, then the leader's replica 0 in step 2's reduce.
+    faults = [
+        {"step": 1, "rank": 1, "phase": "backward", "kind": "kill"},
+        {"step": 2, "rank": 0, "phase": "reduce", "kind": "kill"},
+    ]
+    job = launch(tmp_path, 4, ["--alerts"], faults)
+    check_recovered_run(job, fault_free["4x1"], expect_faults=2)
+    for rank in (2, 3):
+        events = [json.loads(line) for line in (tmp_path / f"alerts{rank}.jsonl").read_text().splitlines()]
+        lost = [(e["lost_replica"], e["world_epoch"], e["step"]) for e in events if "lost_replica" in e]
+        assert lost == [(1, 1, 1), (0, 2, 2)], f"rank {rank} saw {lost}"
+        assert all(e["in_step"] and e["module"] == "GPT" for e in events if "lost_replica" in e), events
+        committed = [(e["committed"], e["world_epoch"]) for e in events if "committed" in e]
+        assert committed == [(0, 0), (1, 1), (2, 2), (3, 2)], f"rank {rank} saw commits {committed}"
+    # The dead ranks saw only what happened before they died.
+    early = [json.loads(line) for line in (tmp_path / "alerts0.jsonl").read_text().splitlines()]
+    assert [e.get("lost_replica") for e in early if "lost_replica" in e] == [1]
+
+
 def test_adaptive_policy_departs_from_fault_free(tmp_path: Path, fault_free: dict[str, MPIJob]) -> None:
     job = launch(tmp_path, 4, ["--policy", "adaptive"], [{"step": 1, "rank": 2, "phase": "backward", "kind": "kill"}])
     ledger = read_ledger(job.outdir / "ledger.jsonl")

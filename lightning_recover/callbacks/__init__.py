@@ -1,24 +1,28 @@
-"""Callbacks of the recovery protocol (layer 2) and fault injection.
+"""Callbacks of the recovery protocol (layer 2), fault injection and checkpoints.
 
-The strategy reduces; these own the decisions around a reduction: the rollback copies of
-gradient buckets (:class:`GradientSnapshot`), the rule that only buckets reduced under one
-membership are committed (:class:`EpochCheck`), and which extra microbatches a replica
-runs after a failure (:class:`BoundaryScheduler`). The strategy installs default
-instances itself; pass configured ones in ``Trainer(callbacks=[...])`` to replace them.
+The step engine reduces; these own the decisions around a reduction, through the recovery
+hooks of :mod:`lightning_recover.recovery.hooks`: where the sums land and what a spare
+sends (:class:`ReductionBuffers`), the rule that only buckets reduced under one world
+epoch are committed (:class:`EpochCheck`), and which extra microbatches a replica runs
+after a failure (:class:`BoundaryScheduler`). The strategy installs default instances
+before Lightning's setup hooks run; pass configured ones in ``Trainer(callbacks=[...])``
+to replace them. :class:`RecoveryCallback` is the base for your own.
 """
 
+from lightning_recover.callbacks.base import RecoveryCallback
 from lightning_recover.callbacks.boundary import BoundaryScheduler
 from lightning_recover.callbacks.checkpoint import ReplicaCheckpoint, last_checkpoint, resolve_ckpt_path
 from lightning_recover.callbacks.epoch_check import EpochCheck, StaleBucketError
 from lightning_recover.callbacks.fault_injection import FaultInjection, FaultSpec
-from lightning_recover.callbacks.snapshot import GradientSnapshot
+from lightning_recover.callbacks.reduction_buffers import ReductionBuffers
 
 __all__ = [
     "BoundaryScheduler",
     "EpochCheck",
     "FaultInjection",
     "FaultSpec",
-    "GradientSnapshot",
+    "RecoveryCallback",
+    "ReductionBuffers",
     "ReplicaCheckpoint",
     "StaleBucketError",
     "last_checkpoint",

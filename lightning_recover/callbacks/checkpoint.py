@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 LAST = "last"
 
@@ -89,6 +90,7 @@ class ReplicaCheckpoint(Callback):
         self.every_n_steps = every_n_steps
         self.keep = keep
 
+    @override
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if step > 0 and step % self.every_n_steps == 0:

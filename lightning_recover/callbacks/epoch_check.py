@@ -1,36 +1,40 @@
 """The commit rule of in-step recovery: only a step whose every bucket was reduced under
-the current membership (one world epoch) may reach the optimizer."""
+the current membership (one world epoch) may reach the optimizer.
+
+After each repair it counts the buckets the new world epoch made stale (they are rolled
+back and reduced again: the count goes to the ledger as ``stale_buckets``); before the
+commit it refuses a step that still holds a bucket from another world epoch.
+"""
 
 from __future__ import annotations
 
-from lightning.pytorch.callbacks import Callback
+from typing import Any
 
-from lightning_recover.communicator import ReduceHandle
+from typing_extensions import override
+
+from lightning_recover.callbacks.base import RecoveryCallback
+from lightning_recover.recovery.interface import RepairResult
+from lightning_recover.recovery.state import StepState
 
 
 class StaleBucketError(RuntimeError):
     """A bucket reduced under an older world epoch was about to be committed."""
 
 
-class EpochCheck(Callback):
-    """Verifies bucket epochs before commit and counts the stale buckets that were redone."""
+class EpochCheck(RecoveryCallback):
+    """Counts the stale buckets redone after a repair and verifies bucket world epochs before commit."""
 
-    def __init__(self) -> None:
-        self.stale_redone = 0
+    @override
+    def on_world_repaired(self, trainer: Any, pl_module: Any, repair: RepairResult, step: StepState | None) -> None:
+        if step is not None and step.handle is not None:
+            step.stale_buckets_redone += len(step.handle.stale(repair.world_epoch))
 
-    def begin_step(self) -> None:
-        self.stale_redone = 0
-
-    def note_repair(self, handle: ReduceHandle, epoch: int) -> list[int]:
-        """Buckets made stale by the repair that moved the world to ``epoch``; they will be redone."""
-        stale = handle.stale(epoch)
-        self.stale_redone += len(stale)
-        return stale
-
-    def verify(self, handle: ReduceHandle, epoch: int) -> None:
-        bad = [(i, b.epoch) for i, b in enumerate(handle.buckets) if b.epoch != epoch]
+    @override
+    def on_before_commit(self, trainer: Any, pl_module: Any, step: StepState) -> None:
+        assert step.handle is not None
+        bad = [(i, b.world_epoch) for i, b in enumerate(step.handle.buckets) if b.world_epoch != step.world_epoch]
         if bad:
             raise StaleBucketError(
-                f"buckets {bad[:8]} (index, epoch) are not from the current world epoch {epoch}; "
+                f"buckets {bad[:8]} (index, world epoch) are not from the current world epoch {step.world_epoch}; "
                 "refusing to commit a step reduced under two memberships"
             )

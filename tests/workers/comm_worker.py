@@ -10,7 +10,9 @@ import time
 
 import torch
 
-from lightning_recover.communicator import FaultTolerantComm, PeerFailure
+from lightning_recover import lifecycle
+from lightning_recover.communicator import FaultTolerantComm
+from lightning_recover.recovery.interface import PeerFailure
 from lightning_recover.topology import RankLayout
 
 torch.set_num_threads(1)
@@ -28,14 +30,18 @@ def die() -> None:
 def reduce_until_agreed(comm: FaultTolerantComm, tensors, out, kill_at_bucket=None, kill_before_agree=False, kill_in_repair=None):
     handle = comm.plan(tensors)
     events = []
+    completed = []  # (bucket, its tag == the world epoch when after_bucket saw it, world epoch)
 
     def on_bucket(i: int) -> None:
         if kill_at_bucket is not None and i == kill_at_bucket:
             die()
 
+    def after_bucket(i: int) -> None:
+        completed.append([i, handle.buckets[i].world_epoch == comm.world_epoch, comm.world_epoch])
+
     while True:
         try:
-            comm.allreduce(tensors, out, handle=handle, on_bucket=on_bucket)
+            comm.allreduce(tensors, out, handle=handle, on_bucket=on_bucket, after_bucket=after_bucket)
             ok = True
         except PeerFailure as exc:
             ok = False
@@ -43,19 +49,19 @@ def reduce_until_agreed(comm: FaultTolerantComm, tensors, out, kill_at_bucket=No
         if kill_before_agree:
             die()
         agreed = comm.agree(ok)
-        events.append({"agree_in": ok, "agreed": agreed, "epoch": comm.epoch})
+        events.append({"agree_in": ok, "agreed": agreed, "world_epoch": comm.world_epoch})
         if agreed:
-            return handle, events
-        stale_before = handle.stale(comm.epoch + 1)
+            return handle, events, completed
+        stale_before = handle.stale(comm.world_epoch + 1)
         if kill_in_repair:
             comm.fault_hook = lambda point: die() if point == "repair:shrunk" else None
         res = comm.repair()
         events.append(
             {
-                "repair": {"epoch": res.epoch, "lost_ranks": list(res.lost_ranks), "lost_replicas": list(res.lost_replicas),
+                "repair": {"world_epoch": res.world_epoch, "lost_ranks": list(res.lost_ranks), "lost_replicas": list(res.lost_replicas),
                            "alive": list(res.alive_replicas), "seconds": res.seconds, "rounds": res.rounds},
                 "stale": stale_before,
-                "stale_after_repair": handle.stale(comm.epoch),
+                "stale_after_repair": handle.stale(comm.world_epoch),
             }
         )
 
@@ -64,11 +70,14 @@ def main() -> None:
     scenario = sys.argv[1]
     victims = [int(v) for v in sys.argv[2].split(",")] if len(sys.argv) > 2 and sys.argv[2] else []
     shards = int(os.environ.get("LR_SHARDS", "1"))
+    # The strategy's start-up, in its order: MPI settings, the communicator, then the rank's lifecycle.
+    lifecycle.prepare_mpi()
     from mpi4py import MPI
 
     layout = RankLayout(MPI.COMM_WORLD.Get_size(), shards)
     sizes = [1000, 37, 5000, 1, 2500]
     comm = FaultTolerantComm(layout, bucket_bytes=4 * 1024)  # 1024 fp32 per bucket -> 9 buckets
+    lifecycle.start_rank(comm.rank, layout.world_size)
     rank = comm.rank
     result: dict = {"rank": rank, "replica": comm.replica, "shard": comm.shard}
     if scenario in {"fp16", "bf16"}:
@@ -101,24 +110,25 @@ def main() -> None:
                     kwargs["kill_at_bucket"] = 3
                 else:
                     kwargs["kill_in_repair"] = True
-        handle, events = reduce_until_agreed(comm, tensors, out, **kwargs)
+        handle, events, completed = reduce_until_agreed(comm, tensors, out, **kwargs)
         members = comm.members
         alive_same_shard = [r for r in members if layout.shard_of(r) == comm.shard]
         expected = [sum(rank_data(r, sizes)[i] for r in alive_same_shard) for i in range(len(sizes))]
         result.update(
             exact=all(torch.equal(a, b) for a, b in zip(out, expected)),
-            epoch=comm.epoch,
+            world_epoch=comm.world_epoch,
             members=list(members),
             alive_replicas=list(comm.alive_replicas),
             buckets=len(handle.buckets),
-            bucket_epochs=[b.epoch for b in handle.buckets],
+            bucket_world_epochs=[b.world_epoch for b in handle.buckets],
             events=events,
+            completed=completed,
             local_unchanged=all(torch.equal(a, b) for a, b in zip(tensors, rank_data(rank, sizes))),
             leader=comm.is_leader,
         )
     with open(os.path.join(os.environ["LR_TEST_OUT"], f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    comm.shutdown(exit_code=0)
+    lifecycle.end_job(comm, exit_code=0)
 
 
 if __name__ == "__main__":

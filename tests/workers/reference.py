@@ -1,10 +1,11 @@
-"""Single-process reference for the strategy tests (see lightning_recover.chaos.reference_run)."""
+"""Single-process reference for the strategy tests: the chaos campaign's reference_run
+(``benchmarks/chaos.py``, the project's one reference trajectory) for train_worker's arguments."""
 
 from __future__ import annotations
 
 import torch
 
-from lightning_recover.chaos import reference_run as _reference_run
+from chaos import reference_run as _reference_run
 from train_worker import parse
 
 

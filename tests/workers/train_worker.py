@@ -20,10 +20,11 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_recover.callbacks import FaultInjection, resolve_ckpt_path  # noqa: E402
+from lightning_recover.callbacks import FaultInjection, RecoveryCallback, resolve_ckpt_path  # noqa: E402
 from lightning_recover.policy import PolicyError  # noqa: E402
 from lightning_recover.strategies import ReCoVerHSDPStrategy  # noqa: E402
-from lightning_recover.chaos import build_tiny  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from chaos import build_tiny  # noqa: E402  (benchmarks/chaos.py)
 from lightning_recover.loggers import LeaderCSVLogger  # noqa: E402
 
 
@@ -51,6 +52,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--min-replicas", type=int, default=1)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--unseeded", action="store_true", help="init weights differently on every rank")
+    ap.add_argument("--alerts", action="store_true", help="record every recovery hook call in alerts{RANK}.jsonl")
     ap.add_argument("--pause", default=None, metavar="RANK:SECONDS", help="that rank sleeps after step 0 (slow, not stuck)")
     return ap.parse_args(argv)
 
@@ -65,6 +67,26 @@ class PauseAfterFirstStep(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
         if trainer.global_step == 1 and int(os.environ["OMPI_COMM_WORLD_RANK"]) == self.rank:
             time.sleep(self.seconds)
+
+
+class LostReplicaAlert(RecoveryCallback):
+    """A user's recovery callback: one line per lost replica as this rank saw it, and the hooks it got."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / f"alerts{os.environ.get('OMPI_COMM_WORLD_RANK', '0')}.jsonl"
+        self.committed: list[int] = []
+
+    def _write(self, event: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(event) + "\n")
+
+    def on_world_repaired(self, trainer, pl_module, repair, step):  # type: ignore[no-untyped-def]
+        for replica in repair.lost_replicas:
+            self._write({"lost_replica": replica, "world_epoch": repair.world_epoch, "step": trainer.global_step,
+                         "in_step": step is not None, "module": type(pl_module).__name__})
+
+    def on_step_committed(self, trainer, pl_module, record):  # type: ignore[no-untyped-def]
+        self._write({"committed": record["step"], "world_epoch": record["world_epoch"]})
 
 
 def main() -> None:
@@ -92,7 +114,8 @@ def main() -> None:
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,
-        callbacks=[FaultInjection(json.loads(args.faults))] + ([PauseAfterFirstStep(args.pause)] if args.pause else []), logger=LeaderCSVLogger(out, name="logs"),
+        callbacks=[FaultInjection(json.loads(args.faults))] + ([PauseAfterFirstStep(args.pause)] if args.pause else [])
+        + ([LostReplicaAlert(out)] if args.alerts else []), logger=LeaderCSVLogger(out, name="logs"),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=1.0, num_sanity_val_steps=0, log_every_n_steps=1,
     )
@@ -109,7 +132,7 @@ def main() -> None:
     if comm.shard == 0:
         torch.save(params, out / f"params{comm.rank}.pt")
     result = {
-        "rank": comm.rank, "replica": comm.replica, "epoch": comm.epoch, "alive": list(comm.alive_replicas),
+        "rank": comm.rank, "replica": comm.replica, "epoch": comm.world_epoch, "alive": list(comm.alive_replicas),
         "global_step": trainer.global_step, "leader": strategy.global_rank == 0, "last": strategy.last_record,
         "samples_seen": float(model.samples_seen.compute()),
     }

@@ -1,7 +1,9 @@
 """Goodput model of large-scale data-parallel pre-training under replica failures.
 
-A discrete-event model behind ``benchmarks/simulate.py``. Pure standard library (no numpy,
-torch or MPI), so it imports anywhere and the tests can drive it directly. Times are seconds.
+A discrete-event model behind ``benchmarks/simulate.py``; a benchmark tool that lives beside
+it, not part of the installed package (the library never uses it). Pure standard library (no
+numpy, torch or MPI; only :func:`pause_from_ledger` reads a ledger with the package's reader),
+so it imports anywhere and the tests can drive it directly. Times are seconds.
 
 The job
 -------
@@ -65,10 +67,10 @@ progress is credited as far as it got (the horizon is not a failure); the bias i
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 from collections import deque
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any

@@ -1,6 +1,6 @@
 """Chaos campaign: random failures against real launched jobs, every run checked.
 
-``lightning-recover chaos --runs N --seed S`` draws N runs. Each picks a topology that
+``python benchmarks/chaos.py --runs N --seed S`` draws N runs. Each picks a topology that
 fits this machine (W replicas x S shards, spares included), then up to W - 1 replica
 losses: random victims (contributors, spares, the minor, the replica holding rank 0),
 phases (forward, backward, reduce, optimizer), kinds (SIGKILL, SIGSTOP) and timings,
@@ -13,8 +13,10 @@ first). Every run is checked against the invariants the project promises:
 * every surviving replica holds bitwise-identical parameters;
 * every injected fault that fired was recovered (appears in the ledger's faults).
 
-It needs a source checkout (the example GPT lives in ``examples/``). Exit status 1 on any
-violation or hang. ``python -m lightning_recover.chaos job CONFIG`` is the launched job.
+It is a tool of the checkout, not of the installed package: it trains the example GPT of
+``examples/model.py``. Exit status 1 on any violation or hang. ``python benchmarks/chaos.py
+job CONFIG`` is the launched job. :func:`reference_run` is the project's one fault-free
+reference trajectory; the strategy tests wrap it (``tests/workers/reference.py``).
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ EXAMPLES = REPO / "examples"
 TOPOLOGIES: tuple[tuple[int, int, int | None], ...] = ((4, 1, None), (2, 2, None), (5, 1, 4), (3, 1, None), (4, 1, 3))
 PHASES = ("forward", "backward", "reduce", "optimizer")
 SAMPLES_PER_MICROBATCH = 2
-#: Open MPI 5's runtime occasionally fails to start at all (a PMIx listener race).
-RUNTIME_START_FAILURE = "The PMIx server's listener thread failed to start"
 CORPUS_BYTES = 300_000
 
 
@@ -209,15 +209,16 @@ class Outcome:
 
 
 def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) -> Outcome:
-    from lightning_recover.launcher import build_command, launch_env, run_supervised
+    from lightning_recover.launcher import RUNTIME_START_FAILURE, build_command, launch_env, run_supervised
     from lightning_recover.ledger import LedgerWriter, check_ledger, read_ledger
 
     outdir.mkdir(parents=True, exist_ok=True)
     cfg = {**asdict(run), "out": str(outdir)}
     (outdir / "config.json").write_text(json.dumps(cfg))
-    argv = build_command(run.world, [sys.executable, "-m", "lightning_recover.chaos", "job", str(outdir / "config.json")])
+    argv = build_command(run.world, [sys.executable, str(Path(__file__).resolve()), "job", str(outdir / "config.json")])
     env = launch_env()
     env["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{hang_timeout:g}"
+    # The job imports the package from this checkout even where it is not installed.
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     t0 = time.monotonic()
     hang = False
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["job"]:
         job(argv[1])
         return 0
-    ap = argparse.ArgumentParser(prog="lightning-recover chaos", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/chaos.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
@@ -336,4 +337,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if str(REPO) not in sys.path:  # run from a fresh clone without installing the package
+        sys.path.insert(0, str(REPO))
     sys.exit(main())

@@ -1,0 +1,17 @@
+"""``RecoveryCallback``: a Lightning ``Callback`` that also receives the recovery hooks.
+
+Subclass it and override any of the hooks documented in
+:mod:`lightning_recover.recovery.hooks` (``on_world_repaired`` to alert on a lost replica,
+``on_step_committed`` to log the ledger record, ...). The strategy dispatches them to every
+callback in ``trainer.callbacks`` that defines them, so subclassing is optional.
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch.callbacks import Callback
+
+from lightning_recover.recovery.hooks import RecoveryHooks
+
+
+class RecoveryCallback(Callback, RecoveryHooks):
+    """A Lightning callback with no-op recovery hooks to override."""

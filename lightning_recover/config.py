@@ -1,0 +1,343 @@
+"""The settings of the recovery protocol, validated in one place.
+
+The strategy and the Hydra example take their knobs as one frozen :class:`RecoverConfig`:
+the layout (``shards``), the constant batch (``target_replicas`` T and ``grad_accum``
+G_init, B = T * G_init), the workload ``policy`` and its stop rule (``min_replicas``), the
+reduction's ``bucket_mb``, the step ledger, the seed of the sample order, the replica-local
+group's timeout, the watchdog's hang and stuck timeouts, and the fallback checkpoints
+(:class:`CheckpointConfig`).
+
+A bad value is refused when the object is built, with a :class:`ConfigurationError` whose one
+line names the value as the Hydra example spells it (``recover.<field>=<value>``) and the
+fix. What needs the job's size (shards divides the world, T and min_replicas fit in the
+replicas) is checked by :meth:`RecoverConfig.check_world` once the world size is known.
+Checks that touch the file system (a writable ledger, a writable checkpoint directory)
+belong to the caller.
+
+Pure Python on purpose (no torch, MPI, Lightning or OmegaConf): a launcher or a Hydra script
+can validate its settings in milliseconds, before any rank imports the heavy layers. The
+dataclasses double as the OmegaConf structured schema of ``examples/pretrain.py``'s
+``recover`` group, so their annotations stay within what OmegaConf understands.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = [
+    "DEFAULT_BUCKET_MB",
+    "POLICY_NAMES",
+    "CheckpointConfig",
+    "ConfigurationError",
+    "RecoverConfig",
+]
+
+# Workload policies by config name (built by lightning_recover.policy.make_policy).
+POLICY_NAMES: tuple[str, ...] = ("static", "adaptive")
+# Gradient bucket of the cross-replica reduction, MiB (4 MiB = communicator.DEFAULT_BUCKET_BYTES).
+DEFAULT_BUCKET_MB = 4.0
+
+
+class ConfigurationError(ValueError):
+    """A setting the job cannot run with; the one-line message names the value and the fix.
+
+    A ValueError, so callers that caught the older per-module errors keep working.
+    """
+
+
+# ---------------------------------------------------------------------- field checks
+def _refuse(key: str, value: Any, requirement: str, fix: str) -> ConfigurationError:
+    """``<key> must be <requirement>, got <value> (recover.<key>=<value>); <fix>``.
+
+    The bare name reads right for Python callers of the strategy, the ``recover.`` form for
+    users of the Hydra example; both appear so each finds the value they set.
+    """
+    return ConfigurationError(f"{key} must be {requirement}, got {value!r} (recover.{key}={value!r}); {fix}")
+
+
+def _integer(key: str, value: Any, minimum: int, fix: str, requirement: str | None = None) -> int:
+    """``value`` as an int >= minimum; bools and floats are refused (numpy ints accepted)."""
+    if isinstance(value, bool):
+        raise _refuse(key, value, "an integer", fix)
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        raise _refuse(key, value, "an integer", fix) from None
+    if as_int < minimum:
+        raise _refuse(key, value, requirement or f">= {minimum}", fix)
+    return as_int
+
+
+def _number(key: str, value: Any, fix: str, *, positive: bool, finite: bool, requirement: str) -> float:
+    """``value`` as a float: > 0 when ``positive`` else >= 0; NaN always refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _refuse(key, value, requirement, fix)
+    as_float = float(value)
+    ok = as_float > 0 if positive else as_float >= 0  # NaN fails both comparisons
+    if not ok or (finite and math.isinf(as_float)):
+        raise _refuse(key, value, requirement, fix)
+    return as_float
+
+
+def _path(key: str, value: Any, fix: str) -> str | None:
+    """None, or a non-empty path (str or os.PathLike) as a str."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise _refuse(key, value, "a path or null", fix)
+    text = os.fspath(value)
+    if not isinstance(text, str) or not text:
+        raise _refuse(key, value, "a non-empty path or null", fix)
+    return text
+
+
+def _set(obj: object, name: str, value: Any) -> None:
+    # The dataclasses are frozen; __post_init__ stores normalised values (e.g. Path -> str) this way.
+    object.__setattr__(obj, name, value)
+
+
+# ---------------------------------------------------------------------- checkpoints
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Fallback checkpoints written by the leader replica (``recover.checkpoint``).
+
+    Attributes:
+        dir: where checkpoints are written and where ``ckpt_path=last`` looks; None: nowhere.
+            A directory with ``every_n_steps=0`` writes nothing but still names where to
+            resume from. ``os.PathLike`` is accepted and stored as ``str``.
+        every_n_steps: checkpoint period in committed steps; 0 = no checkpoints.
+    """
+
+    dir: str | None = None
+    every_n_steps: int = 0
+
+    def __post_init__(self) -> None:
+        _set(self, "dir", _path("checkpoint.dir", self.dir, "set recover.checkpoint.dir to a directory, or null for none"))
+        every = _integer(
+            "checkpoint.every_n_steps",
+            self.every_n_steps,
+            0,
+            "set recover.checkpoint.every_n_steps to a step period, or 0 for no checkpoints",
+        )
+        _set(self, "every_n_steps", every)
+        if every > 0 and self.dir is None:
+            raise ConfigurationError(
+                f"recover.checkpoint.every_n_steps={every} > 0 needs recover.checkpoint.dir; "
+                "set recover.checkpoint.dir to a directory (or recover.checkpoint.every_n_steps=0 for no checkpoints)"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether checkpoints are written at all."""
+        return self.every_n_steps > 0
+
+
+# ---------------------------------------------------------------------- the protocol's settings
+@dataclass(frozen=True)
+class RecoverConfig:
+    """Settings of ReCoVerHSDPStrategy (the ``recover`` group of the Hydra example).
+
+    Attributes:
+        shards: ranks per replica (S); FSDP2 shards the model over them. The world size
+            must be a multiple (:meth:`check_world`). 1 = plain replication.
+        grad_accum: G_init, microbatches per contributing replica per step.
+        target_replicas: T, contributing replicas; None = all W replicas. The other W - T
+            start as spares. B = T * G_init stays constant through failures. On a resume,
+            T (with B and G_init) comes from the checkpoint; pass None then.
+        policy: "static" (ReCoVer: constant B) or "adaptive" (the batch shrinks; the
+            ablation, which has no spares, so T must be all replicas).
+        min_replicas: stop with a clear error when fewer replicas are alive.
+        bucket_mb: gradient bucket size (MiB) of the cross-replica reduction.
+        ledger_path: JSON-lines step ledger written by the current leader; None = no
+            ledger. ``os.PathLike`` is accepted and stored as ``str``.
+        seed: seeds the sample order and the per-microbatch RNG.
+        timeout_s: timeout of the replica-local process group (seconds).
+        hang_timeout_s: a rank whose heartbeat stops this long is killed and its replica
+            removed. None = the launcher's ``--hang-timeout`` (else 10 s); 0 = off.
+        stuck_timeout_s: also kill a rank making no progress inside a step's compute for
+            this long. None = the hang timeout; 0 = off. See :meth:`watchdog_timeouts`.
+        checkpoint: the fallback checkpoints (:class:`CheckpointConfig`).
+    """
+
+    shards: int = 1
+    grad_accum: int = 1
+    target_replicas: int | None = None
+    policy: str = "static"
+    min_replicas: int = 1
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    ledger_path: str | None = None
+    seed: int = 0
+    timeout_s: float = 60.0
+    hang_timeout_s: float | None = None
+    stuck_timeout_s: float | None = None
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+    def __post_init__(self) -> None:
+        shards_fix = "set recover.shards to the ranks per replica (a divisor of the world size)"
+        _set(self, "shards", _integer("shards", self.shards, 1, shards_fix, requirement="a positive integer"))
+        accum_fix = "set recover.grad_accum to a positive integer (microbatches per replica per step)"
+        _set(self, "grad_accum", _integer("grad_accum", self.grad_accum, 1, accum_fix))
+        if self.target_replicas is not None:
+            target_fix = "set recover.target_replicas to 1..replicas, or null for all"
+            _set(self, "target_replicas", _integer("target_replicas", self.target_replicas, 1, target_fix))
+        if not isinstance(self.policy, str) or self.policy not in POLICY_NAMES:
+            raise ConfigurationError(
+                f"unknown policy {self.policy!r} (recover.policy={self.policy!r}); use "
+                + " or ".join(f"recover.policy={p}" for p in POLICY_NAMES)
+            )
+        min_fix = "set recover.min_replicas to a positive integer"
+        _set(self, "min_replicas", _integer("min_replicas", self.min_replicas, 1, min_fix))
+        bucket_fix = "set recover.bucket_mb to the MiB per gradient bucket (e.g. 4)"
+        _set(self, "bucket_mb", _number("bucket_mb", self.bucket_mb, bucket_fix, positive=True, finite=True, requirement="a positive number"))
+        ledger_fix = "set recover.ledger_path to a file path, or null for no ledger"
+        _set(self, "ledger_path", _path("ledger_path", self.ledger_path, ledger_fix))
+        _set(self, "seed", _integer("seed", self.seed, 0, "set the seed to a non-negative integer"))
+        timeout_fix = "set recover.timeout_s to the seconds the replica-local process group waits"
+        _set(self, "timeout_s", _number(
+            "timeout_s", self.timeout_s, timeout_fix, positive=True, finite=True, requirement="a positive number of seconds"
+        ))
+        # inf is allowed for the watchdog timeouts: it never fires (like 0, which turns the rule off).
+        seconds = ">= 0 seconds (0 = off)"
+        if self.hang_timeout_s is not None:
+            hang_fix = "set recover.hang_timeout_s to seconds, 0 to turn hang detection off, or null for the launcher's --hang-timeout"
+            _set(self, "hang_timeout_s", _number(
+                "hang_timeout_s", self.hang_timeout_s, hang_fix, positive=False, finite=False, requirement=seconds
+            ))
+        if self.stuck_timeout_s is not None:
+            stuck_fix = "set recover.stuck_timeout_s to seconds, 0 to turn stuck detection off, or null for the hang timeout"
+            _set(self, "stuck_timeout_s", _number(
+                "stuck_timeout_s", self.stuck_timeout_s, stuck_fix, positive=False, finite=False, requirement=seconds
+            ))
+        if not isinstance(self.checkpoint, CheckpointConfig):
+            raise ConfigurationError(
+                f"recover.checkpoint={self.checkpoint!r} is not a CheckpointConfig; "
+                "pass CheckpointConfig(dir=..., every_n_steps=...) (recover.checkpoint.dir, recover.checkpoint.every_n_steps)"
+            )
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_mapping(cls, settings: Mapping[str, Any]) -> RecoverConfig:
+        """Build from plain data (YAML, JSON, a resolved OmegaConf container).
+
+        ``checkpoint`` may be a mapping (or None for the defaults). Unknown keys are refused
+        by name, so a typo never silently falls back to a default.
+        """
+        if not isinstance(settings, Mapping):
+            raise ConfigurationError(f"recover={settings!r} is not a mapping of settings; known: {', '.join(_names(cls))}")
+        _check_keys("recover", settings, _names(cls))
+        values = dict(settings)
+        ckpt = values.pop("checkpoint", None)
+        if ckpt is None:
+            ckpt = CheckpointConfig()
+        elif isinstance(ckpt, Mapping):
+            _check_keys("recover.checkpoint", ckpt, _names(CheckpointConfig))
+            ckpt = CheckpointConfig(**ckpt)
+        return cls(**values, checkpoint=ckpt)
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every_n_steps: int = 0,
+        **settings: Any,
+    ) -> RecoverConfig:
+        """Build from ReCoVerHSDPStrategy's flat keyword arguments.
+
+        ``checkpoint_dir``/``checkpoint_every_n_steps`` become :attr:`checkpoint`. Unlike the
+        Hydra group, where a directory with period 0 only names where to resume from, a
+        ``checkpoint_dir`` argument asks for checkpoints, so it needs a period >= 1.
+        """
+        if checkpoint_dir is not None:
+            every = _integer(
+                "checkpoint.every_n_steps", checkpoint_every_n_steps, 0, "set recover.checkpoint.every_n_steps"
+            )
+            if every < 1:
+                raise ConfigurationError(
+                    f"checkpoint_every_n_steps must be >= 1 with a checkpoint_dir, got {every}; "
+                    "set recover.checkpoint.every_n_steps"
+                )
+        # CheckpointConfig stores an os.PathLike dir as str (its annotation is OmegaConf's).
+        checkpoint = CheckpointConfig(dir=checkpoint_dir, every_n_steps=checkpoint_every_n_steps)  # type: ignore[arg-type]
+        return cls(**settings, checkpoint=checkpoint)
+
+    # ------------------------------------------------------------------ the job's size
+    def replicas(self, world_size: int) -> int:
+        """W: replicas in a world of ``world_size`` ranks (refused unless shards divides it)."""
+        try:
+            world = -1 if isinstance(world_size, bool) else operator.index(world_size)
+        except TypeError:
+            world = -1
+        if world < 1:
+            raise ConfigurationError(f"world size must be a positive integer, got {world_size!r}; launch at least one rank")
+        if world % self.shards:
+            raise ConfigurationError(
+                f"recover.shards={self.shards} does not divide the world size {world}; launch a multiple of "
+                f"{self.shards} ranks (lightning-recover launch -n ...) or set recover.shards to a divisor of {world}"
+            )
+        return world // self.shards
+
+    def target(self, world_size: int) -> int:
+        """T: contributing replicas (``target_replicas``, or all W)."""
+        replicas = self.replicas(world_size)
+        return replicas if self.target_replicas is None else self.target_replicas
+
+    def microbatches_per_step(self, world_size: int) -> int:
+        """B = T * G_init, the microbatches every committed step sums."""
+        return self.target(world_size) * self.grad_accum
+
+    def check_world(self, world_size: int) -> None:
+        """Refuse settings that do not fit a job of ``world_size`` ranks (call once it is known)."""
+        replicas = self.replicas(world_size)
+        target = self.target_replicas
+        if target is not None and target > replicas:
+            raise ConfigurationError(
+                f"recover.target_replicas={target} but the job has {replicas} replicas "
+                f"({world_size} ranks / {self.shards} shards); set recover.target_replicas <= {replicas} "
+                "(null = all) or launch more ranks"
+            )
+        if self.policy == "adaptive" and target is not None and target != replicas:
+            raise ConfigurationError(
+                f"recover.target_replicas={target} with recover.policy=adaptive: the adaptive policy has no spares; "
+                "set recover.target_replicas=null"
+            )
+        if self.min_replicas > replicas:
+            raise ConfigurationError(
+                f"recover.min_replicas={self.min_replicas} but the job has {replicas} replicas "
+                f"({world_size} ranks / {self.shards} shards); lower it or launch more ranks"
+            )
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def bucket_bytes(self) -> int:
+        """``bucket_mb`` in bytes; at least one float32 element."""
+        return max(4, int(self.bucket_mb * 2**20))
+
+    def watchdog_timeouts(self, launcher_hang_timeout: float | None) -> tuple[float | None, float | None]:
+        """``(hang, stuck)`` seconds the watchdog uses; None = that rule is off.
+
+        ``launcher_hang_timeout`` is what applies when ``hang_timeout_s`` is None (the
+        launcher's ``--hang-timeout``, see ``watchdog.default_hang_timeout``). 0 turns a
+        rule off; an unset ``stuck_timeout_s`` follows the hang timeout.
+        """
+        hang = launcher_hang_timeout if self.hang_timeout_s is None else self.hang_timeout_s
+        hang = hang or None
+        stuck = hang if self.stuck_timeout_s is None else (self.stuck_timeout_s or None)
+        return hang, stuck
+
+
+def _names(cls: type) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+def _check_keys(where: str, settings: Mapping[str, Any], known: list[str]) -> None:
+    unknown = sorted(str(k) for k in settings if k not in known)
+    if unknown:
+        raise ConfigurationError(
+            f"{where}.{unknown[0]} is not a {where} setting; remove it or use one of: {', '.join(known)}"
+        )

@@ -1,0 +1,11 @@
+"""In-step recovery (layer 2): the step engine and the contracts it runs against.
+
+  buckets     gradient buckets tagged with the world epoch they were reduced in
+  interface   the communicator contract (ReplicaComm, PeerFailure, RepairResult)
+  state       StepState: everything one optimizer step knows, in one object
+  hooks       the recovery hooks callbacks implement, and their dispatch
+  engine      StepEngine: plan, compute, reduce, agree, repair, replay, commit
+  fake        FakeWorld: N simulated replicas in one process, scripted failures (tests)
+
+Nothing here imports Lightning or MPI.
+"""

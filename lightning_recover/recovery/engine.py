@@ -1,0 +1,263 @@
+"""The step engine: one optimizer step of the recovery protocol, top to bottom.
+
+The engine runs against three small contracts, so it needs neither Lightning nor MPI:
+
+* a :class:`~lightning_recover.recovery.interface.ReplicaComm` (ULFM in production, an
+  in-process fake in tests);
+* a :class:`MicrobatchRunner` that computes one step-local microbatch (forward and
+  backward, accumulating into the gradients) and hands out the local gradient tensors;
+* :class:`Probes` for what watches the step from outside (the hang watchdog, fault
+  injection); they default to doing nothing.
+
+One step, as every rank of every live replica runs it::
+
+    begin(step)                      the policy plans the step for the live replicas
+    run(runner, ...)                 compute this replica's planned microbatches
+    reduce_until_committed(runner)   loop:
+        on_before_reduce                 callbacks pick what is sent and where sums land
+        reduce in buckets                each bucket tagged with the world epoch
+        agree                            all survivors get the same verdict
+        on failure: repair               shrink to whole replicas, world epoch + 1
+                    on_world_repaired    (each lost replica reported once)
+                    policy.fail          promote a spare or replay the lost ids
+                    on_boundary_step     callbacks schedule the extra microbatches
+                    run them, then reduce the stale/pending buckets again
+    on_before_commit                 every bucket is from the current world epoch
+    sums / (B * shards) -> gradients (the caller then runs the optimizer)
+    finish()                         the policy commits; the step's ledger record
+
+Errors: a peer death is never an exception out of the engine (it becomes a repair); the
+policy's ``TooFewReplicasError`` (below ``min_replicas``) and a callback's refusal in
+``on_before_commit`` propagate to the caller, as does any error of the runner.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from lightning_recover.policy import WorkloadPolicy
+from lightning_recover.recovery.hooks import Dispatch
+from lightning_recover.recovery.interface import PeerFailure, RepairResult, ReplicaComm
+from lightning_recover.recovery.state import StepState
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class MicrobatchRunner(Protocol):
+    """Computes microbatches into the gradient accumulator (the strategy, or a test double)."""
+
+    def run_microbatch(self, offset: int) -> None:
+        """Forward and backward of step-local microbatch ``offset``; must call :meth:`StepEngine.record`."""
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's accumulated gradient tensors (local shards), in a fixed order."""
+
+
+class Probes:
+    """Watchers of a step; this base does nothing. The strategy plugs in the watchdog and fault injection."""
+
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """Blocked on peers (in a collective): not the same as being stuck in compute."""
+        yield
+
+    def tick(self) -> None:
+        """This rank made progress."""
+
+    def set_computing(self, computing: bool) -> None:
+        """This rank is (not) computing inside a step."""
+
+    def fault_point(self, phase: str, *, step: int, microbatch: int | None = None, bucket: int | None = None) -> None:
+        """A point where fault injection may kill, stop or wedge this process."""
+
+
+class StepEngine:
+    """Runs the recovery protocol's optimizer steps for one rank; see the module docstring."""
+
+    def __init__(
+        self,
+        comm: ReplicaComm,
+        policy: WorkloadPolicy,
+        *,
+        shards: int = 1,
+        dispatch: Dispatch = lambda name, *args: None,
+        probes: Probes | None = None,
+        on_repair: Callable[[RepairResult], None] | None = None,
+    ) -> None:
+        self.comm = comm
+        self.policy = policy
+        self.shards = shards
+        self.dispatch = dispatch
+        self.probes = probes or Probes()
+        self.on_repair = on_repair
+        self.state: StepState | None = None
+        #: Replicas lost since the engine started (in steps and in collectives between them).
+        self.faults_seen = 0
+
+    # ------------------------------------------------------------------ the step
+    def begin(self, step: int) -> StepState:
+        """Plan ``step`` for the live replicas; the state of the previous step is dropped."""
+        plan = self.policy.begin_step(step, self.comm.alive_replicas)
+        self.state = StepState(
+            step=step, replica=self.comm.replica, plan=plan, started_at=time.perf_counter(), world_epoch=self.comm.world_epoch
+        )
+        self.probes.set_computing(True)
+        return self.state
+
+    def record(self, offset: int, loss: float) -> None:
+        """The runner computed microbatch ``offset`` (its gradient is now accumulated)."""
+        st = self._current()
+        st.losses[offset] = loss
+        st.computed.append(offset)
+
+    def run(self, runner: MicrobatchRunner, offsets: Sequence[int]) -> None:
+        for offset in offsets:
+            runner.run_microbatch(offset)
+
+    def reduce_until_committed(self, runner: MicrobatchRunner) -> int:
+        """Reduce, agree, and on failure repair and recompute until one membership commits.
+
+        On return the gradients hold the committed sums divided by ``B * shards``; the
+        return value is the policy's divisor (B for the static policy).
+        """
+        st = self._current()
+        st.local = runner.local_grads()
+        st.handle = self.comm.plan(st.local)
+        loss_out = torch.zeros(2, dtype=torch.float64)
+        failed_at: float | None = None
+        while True:
+            self.dispatch("on_before_reduce", st)
+            mine = st.mine
+            loss_in = torch.tensor(
+                [sum(st.losses[i] for i in mine.ids) if mine.contributes else 0.0, len(mine.ids) if mine.contributes else 0],
+                dtype=torch.float64,
+            )
+            round_started = time.perf_counter()
+            try:
+                with self.probes.waiting():
+                    self.comm.allreduce(
+                        st.send, st.out, handle=st.handle, on_bucket=self._before_bucket, after_bucket=self._after_bucket
+                    )
+                    self.comm.allreduce([loss_in], [loss_out], across="world")
+                ok = True
+            except PeerFailure as exc:
+                log.warning("step %d: %s", st.step, exc)
+                ok = False
+            with self.probes.waiting():
+                committed = self.comm.agree(ok)
+            if committed:
+                break
+            # The time blocked in a failed round (reduce + agreement) bounds how long a hung
+            # peer went unnoticed; the agreement counts too, since a peer that hangs after
+            # the others saw a death blocks them there.
+            st.detects.append(time.perf_counter() - round_started)
+            if failed_at is None:
+                failed_at = time.perf_counter()
+            self._recover(runner)
+        self.dispatch("on_before_commit", st)
+        if failed_at is not None:
+            st.pauses.append(time.perf_counter() - failed_at)
+        st.loss = float(loss_out[0]) / max(1.0, float(loss_out[1]))
+        # Constant divisor: B microbatches (times the shards, whose FSDP reduce-scatter sums),
+        # never the number of survivors.
+        divisor = st.plan.divisor * self.shards
+        for grad, total in zip(st.local, st.out):
+            grad.copy_(total).div_(divisor)
+        return st.plan.divisor
+
+    def finish(self) -> dict[str, Any]:
+        """After ``optimizer.step``: the policy commits; returns the step's ledger record and ends the step."""
+        st = self._current()
+        self.probes.set_computing(False)  # between steps nothing counts as stuck
+        record = self.policy.commit().as_dict()
+        record.update(
+            loss=st.loss,
+            world_epoch=self.comm.world_epoch,
+            step_time_s=time.perf_counter() - st.started_at,
+            recovery_s=st.recovery_s,
+            pauses_s=st.pauses,
+            detect_s=sum(st.detects),
+            detects_s=st.detects,
+            stale_buckets=st.stale_buckets_redone,
+            policy=self.policy.name,
+            divisor=st.plan.divisor,
+        )
+        self.state = None
+        self.dispatch("on_step_committed", record)
+        return record
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(self, runner: MicrobatchRunner) -> None:
+        """Repair the world, let the policy re-plan, compute this replica's extra microbatches."""
+        st = self._current()
+        with self.probes.waiting():
+            res = self.comm.repair()
+        self.repaired(res)
+        st.plan = self.policy.fail(res.lost_replicas)
+        st.schedule = None
+        self.dispatch("on_boundary_step", st)
+        if st.schedule is None:
+            raise RuntimeError(
+                "no recovery callback scheduled the boundary step (step.schedule is None); keep "
+                "lightning_recover.callbacks.BoundaryScheduler in trainer.callbacks"
+            )
+        if st.schedule.reset:
+            for grad in runner.local_grads():
+                grad.zero_()
+            st.computed, st.losses = [], {}
+        self.run(runner, st.schedule.run)
+
+    def repaired(self, res: RepairResult) -> None:
+        """Account a repair (in a step or between steps) and tell the callbacks, once per repair."""
+        if self.state is not None:
+            self.state.world_epoch = res.world_epoch
+            self.state.lost_replicas.extend(res.lost_replicas)
+        self.faults_seen += len(res.lost_replicas)
+        if self.on_repair is not None:
+            self.on_repair(res)
+        self.dispatch("on_world_repaired", res, self.state)
+
+    def run_collective(self, fn: Callable[[], T]) -> T:
+        """Run a collective outside the step; if a peer dies, repair and retry until one membership agrees.
+
+        The policy learns of the loss at the next ``begin`` (the new membership is in
+        ``comm.alive_replicas``).
+        """
+        while True:
+            with self.probes.waiting():
+                try:
+                    result, ok = fn(), True
+                except PeerFailure:
+                    result, ok = None, False
+                if self.comm.agree(ok):
+                    return result  # type: ignore[return-value]
+                res = self.comm.repair()
+            self.repaired(res)
+
+    def abandon(self) -> None:
+        """Forget a step left by an exception (below ``min_replicas``, a user error)."""
+        self.state = None
+        self.probes.set_computing(False)
+
+    # ------------------------------------------------------------------ bucket probes
+    def _before_bucket(self, index: int) -> None:
+        # Between the MPI waits of two buckets this rank runs its own code: that counts.
+        self.probes.set_computing(True)
+        self.probes.fault_point("reduce", step=self._current().step, bucket=index)
+        self.probes.tick()
+        self.probes.set_computing(False)
+
+    def _after_bucket(self, index: int) -> None:
+        self.dispatch("on_bucket_reduced", self._current(), index, self.comm.world_epoch)
+
+    def _current(self) -> StepState:
+        if self.state is None:
+            raise RuntimeError("no step in progress: call StepEngine.begin(step) first")
+        return self.state

@@ -1,0 +1,61 @@
+"""The per-step state of the recovery protocol: everything one optimizer step knows, in one object.
+
+:class:`StepState` is created by :meth:`StepEngine.begin` and dropped after the commit, so
+nothing of a step leaks into the next. Recovery callbacks read it and fill in their part
+(the reduction buffers, the stale-bucket count, the boundary schedule). Pure Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_recover.policy import ReplicaPlan, StepPlan
+from lightning_recover.recovery.buckets import ReduceHandle
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What a replica computes after a repair: optionally drop its accumulator, then ``run``."""
+
+    reset: bool  # discard the accumulator (it holds ids this replica no longer owns)
+    run: tuple[int, ...]  # step-local microbatch ids to compute now, in order
+
+
+@dataclass
+class StepState:
+    """One optimizer step of one replica, from plan to commit."""
+
+    step: int
+    replica: int
+    plan: StepPlan
+    started_at: float
+    #: The membership generation the step is being reduced in (bumped by every repair).
+    world_epoch: int
+    #: Step-local microbatch ids whose gradients are in this replica's accumulator.
+    computed: list[int] = field(default_factory=list)
+    losses: dict[int, float] = field(default_factory=dict)
+    #: Microbatches this replica ran so far in the step (fault injection counts by it).
+    microbatches_run: int = 0
+    lost_replicas: list[int] = field(default_factory=list)
+    #: Seconds from the first failed round to the commit, per recovered failure.
+    pauses: list[float] = field(default_factory=list)
+    #: Seconds blocked in each failed round (reduce + agreement): bounds how long a hang went unseen.
+    detects: list[float] = field(default_factory=list)
+    stale_buckets_redone: int = 0
+    # Filled by the reduction (see StepEngine.reduce_until_committed) and the recovery callbacks.
+    local: list[Any] = field(default_factory=list)  # the accumulated, pre-reduction gradients (rollback copy)
+    send: list[Any] = field(default_factory=list)  # what this replica contributes (zeros for a spare)
+    out: list[Any] = field(default_factory=list)  # the reduced sums
+    handle: ReduceHandle | None = None
+    schedule: Schedule | None = None
+    loss: float | None = None
+
+    @property
+    def mine(self) -> ReplicaPlan:
+        """This replica's share of the current plan."""
+        return self.plan.for_replica(self.replica)
+
+    @property
+    def recovery_s(self) -> float:
+        return sum(self.pauses)

@@ -1,0 +1,42 @@
+"""torch's default process group, made replica-local.
+
+Lightning runs hidden collectives on torch's default group (e.g. a SIGTERM check every
+batch). Making that group *this replica's S ranks* keeps them inside one replica, so a
+dead replica can never wedge them; the cross-replica traffic goes over the ULFM
+communicator instead. A communication error inside the group therefore means a
+replica-mate died, which the replica-consistency gate turns into a clean exit.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from lightning_recover.communicator import FaultTolerantComm
+
+
+def init_replica_group(comm: FaultTolerantComm, shards: int, timeout_s: float, backend: str) -> None:
+    """``init_process_group`` over this replica's ranks, on a TCPStore hosted by its shard 0."""
+    hosts = comm.allgather_object(socket.gethostname())
+    addr = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname())
+    timeout = timedelta(seconds=timeout_s)
+    store = None
+    if comm.shard == 0:
+        # Port 0: the OS picks a free port at bind time, so no other process can take it
+        # between choosing and binding; the port actually bound is then shared.
+        store = dist.TCPStore(addr, 0, shards, is_master=True, timeout=timeout, wait_for_workers=False)
+    table = comm.allgather_object((addr, store.port if store is not None else 0))
+    master_addr, master_port = table[comm.layout.rank_of(comm.replica, 0)]  # type: ignore[misc]
+    if store is None:
+        store = dist.TCPStore(master_addr, int(master_port), shards, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=comm.shard, world_size=shards, timeout=timeout)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """Whether ``exc`` came from a replica-local collective whose peer is gone."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return any(k in text for k in ("gloo", "connection closed", "connection reset", "broken pipe", "nccl"))

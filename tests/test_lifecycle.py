@@ -1,0 +1,290 @@
+"""Process lifecycle on real processes: import hygiene, the pid-safe kill, the gate, the crash hook, markers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lightning_recover import lifecycle
+from lightning_recover.launcher import ENV_STATUS_DIR
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Imports the heavy third-party modules first, so only what *our* imports do is judged; then
+# each of our modules in turn, recording every process-wide change it made.
+HYGIENE = r"""
+import atexit, inspect, json, signal, sys
+import numpy, torch, torch.distributed, lightning.pytorch, mpi4py
+
+registered = []
+_register = atexit.register
+def spy(fn, *args, **kwargs):
+    registered.append(f"{getattr(fn, '__qualname__', fn)!s} (registered from {inspect.stack()[1].filename})")
+    return _register(fn, *args, **kwargs)
+atexit.register = spy
+_signal = signal.signal
+def signal_spy(sig, handler):
+    registered.append(f"signal handler for {sig!s} (set from {inspect.stack()[1].filename})")
+    return _signal(sig, handler)
+signal.signal = signal_spy
+
+SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
+def state():
+    return {
+        "excepthook": repr(sys.excepthook),
+        "signals": {str(int(s)): repr(signal.getsignal(s)) for s in SIGNALS},
+        "mpi4py.rc": {k: repr(getattr(mpi4py.rc, k)) for k in dir(mpi4py.rc) if not k.startswith("_")},
+        "atexit callbacks": atexit._ncallbacks(),  # counts C-level registrations too (CPython)
+    }
+
+findings = {}
+for name in ["lightning_recover", "lightning_recover.lifecycle", "lightning_recover.watchdog",
+             "lightning_recover.communicator", "lightning_recover.strategies"]:
+    before = state()
+    del registered[:]
+    try:
+        __import__(name)
+    except Exception as exc:
+        findings[name] = [f"import failed: {type(exc).__name__}: {exc}"]
+        continue
+    after = state()
+    changed = [f"{key}: {before[key]!r} -> {after[key]!r}" for key in before if before[key] != after[key]]
+    if "mpi4py.MPI" in sys.modules:
+        changed.append("mpi4py.MPI was imported (MPI initialized)")
+    findings[name] = changed + list(registered)
+print(json.dumps(findings))
+"""
+
+
+def test_importing_the_package_changes_no_process_wide_state() -> None:
+    proc = subprocess.run([sys.executable, "-c", HYGIENE], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    findings = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(findings) == 5
+    assert {name: f for name, f in findings.items() if f} == {}, "importing must not touch MPI, the excepthook, signals or atexit"
+
+
+# ---------------------------------------------------------------------- prepare_mpi
+PREPARE = r"""
+import sys, mpi4py
+from lightning_recover import lifecycle
+first = lifecycle.prepare_mpi()
+from mpi4py import MPI
+print(first, mpi4py.rc.finalize, lifecycle.prepare_mpi(), MPI.Is_initialized())
+"""
+
+
+def test_prepare_mpi_turns_finalize_off_only_before_mpi_starts() -> None:
+    proc = subprocess.run([sys.executable, "-c", PREPARE], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    # Took effect before the import; a second call after MPI started says it cannot.
+    assert proc.stdout.split() == ["True", "False", "False", "True"]
+
+
+# ---------------------------------------------------------------------- kill_process
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def _state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def test_kill_process_kills_the_process_that_started_then(capfd: pytest.CaptureFixture[str]) -> None:
+    child = _sleeper()
+    try:
+        start = lifecycle.process_start_time(child.pid)
+        assert start is not None and start.isdigit()
+        assert lifecycle.kill_process(child.pid, start, "hung for 9.0s", by="watchdog on rank 0", target="rank 2") is True
+        assert child.wait(timeout=10) == -signal.SIGKILL
+        err = capfd.readouterr().err
+        assert f"[lightning-recover] watchdog on rank 0: killing rank 2 (pid {child.pid}): hung for 9.0s" in err
+        # Reaped: the pid names no process any more.
+        assert lifecycle.process_start_time(child.pid) is None
+        assert lifecycle.kill_process(child.pid, start, "again", by="test") is False
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_kill_process_refuses_a_pid_with_another_start_time() -> None:
+    child = _sleeper()
+    try:
+        start = lifecycle.process_start_time(child.pid)
+        assert start is not None
+        # The pid now belongs to a process started at another time (pid reuse), or we never knew.
+        other = str(int(start) - 1)
+        assert lifecycle.kill_process(child.pid, other, "reused pid", by="test") is False
+        assert lifecycle.kill_process(child.pid, None, "unknown start", by="test") is False
+        time.sleep(0.2)
+        assert child.poll() is None, "a process that is not the one we meant must survive"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_kill_process_leaves_an_already_dead_process_alone(capfd: pytest.CaptureFixture[str]) -> None:
+    child = _sleeper()
+    start = lifecycle.process_start_time(child.pid)
+    os.kill(child.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _state(child.pid) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _state(child.pid) == "Z"
+    # Dead but not yet reaped (what a fence sees for a rank that really died): nothing to do, nothing printed.
+    assert lifecycle.kill_process(child.pid, start, "declared dead", by="rank 0", target="rank 1") is False
+    assert "killing" not in capfd.readouterr().err
+    assert child.wait(timeout=10) == -signal.SIGKILL
+
+
+def test_kill_process_refuses_its_own_process() -> None:
+    with pytest.raises(ValueError, match=rf"asked to kill its own process \(pid {os.getpid()}\)"):
+        lifecycle.kill_process(os.getpid(), lifecycle.process_start_time(os.getpid()), "oops", by="test")
+
+
+# ---------------------------------------------------------------------- gate and crash hook
+GATE = r"""
+import signal
+from lightning_recover import lifecycle
+signal.signal(lifecycle.GATE_SIGNAL, lambda *_: print("handler ran: the gate must not be catchable", flush=True))
+lifecycle.gate_exit(3, "replica 1 lost rank(s) [2]")
+print("returned from gate_exit", flush=True)
+"""
+
+
+def test_gate_exit_dies_by_its_signal_with_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-c", GATE], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGUSR1, (proc.returncode, proc.stderr)
+    assert lifecycle.GATE_SIGNAL == signal.SIGUSR1 and lifecycle.GATE_EXIT_CODE == 138  # what a shell reports
+    assert proc.stdout == "", "neither an installed handler nor the code after gate_exit may run"
+    assert proc.stderr.strip() == (
+        "[lightning-recover] rank 3: replica-consistency gate: replica 1 lost rank(s) [2]; leaving with SIGUSR1 (status 138)"
+    )
+
+
+def test_gate_status_through_a_shell() -> None:
+    proc = subprocess.run(["sh", "-c", f"{shlex.quote(sys.executable)} -c {shlex.quote(GATE)}; echo status=$?"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip().splitlines()[-1] == f"status={lifecycle.GATE_EXIT_CODE}"
+
+
+CRASH = r"""
+from lightning_recover import lifecycle
+lifecycle.install_crash_hook()
+lifecycle.install_crash_hook()  # idempotent: one traceback, one line
+def train():
+    raise RuntimeError("boom in step 7")
+train()
+"""
+
+
+def test_crash_hook_prints_the_traceback_then_dies_by_sigkill() -> None:
+    proc = subprocess.run([sys.executable, "-c", CRASH], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stderr)
+    err = proc.stderr
+    assert err.count("Traceback (most recent call last):") == 1
+    assert "in train" in err and "RuntimeError: boom in step 7" in err
+    line = "[lightning-recover] uncaught RuntimeError: this rank leaves by SIGKILL"
+    assert err.count(line) == 1
+    assert err.index("RuntimeError: boom in step 7") < err.index(line), "the traceback comes first"
+
+
+# ---------------------------------------------------------------------- markers and end of job
+START = r"""
+import sys
+from lightning_recover import lifecycle
+rank, world, then = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+hook = sys.excepthook
+lifecycle.start_rank(rank, world)
+lifecycle.start_rank(rank, world)  # a second setup of the same rank changes nothing
+print("crash hook" if sys.excepthook is not hook else "python's hook", flush=True)
+if then == "raise":
+    raise RuntimeError("crash")
+"""
+
+
+def _start(tmp_path: Path, rank: int, world: int, then: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    status = tmp_path / f"status-{rank}-{world}-{then}"
+    status.mkdir()
+    env = {**os.environ, ENV_STATUS_DIR: str(status)}
+    proc = subprocess.run([sys.executable, "-c", START, str(rank), str(world), then], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    return proc, sorted(os.listdir(status))
+
+
+def test_start_rank_marks_started_and_ok_at_a_normal_exit(tmp_path: Path) -> None:
+    proc, markers = _start(tmp_path, 5, 4, "return")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "crash hook"
+    assert markers == ["ok.5", "started.5"]
+
+
+def test_crashed_rank_leaves_only_its_started_marker(tmp_path: Path) -> None:
+    # What the launcher reads as "this rank did not survive".
+    proc, markers = _start(tmp_path, 2, 4, "raise")
+    assert proc.returncode == -signal.SIGKILL
+    assert markers == ["started.2"]
+
+
+def test_single_process_keeps_pythons_exit_status(tmp_path: Path) -> None:
+    # No peers to protect: an exception ends the process the usual way (status 1), which
+    # is what the launcher and mpiexec report for a one-rank job.
+    proc, markers = _start(tmp_path, 0, 1, "raise")
+    assert proc.stdout.strip() == "python's hook"
+    assert proc.returncode == 1 and "RuntimeError: crash" in proc.stderr
+    assert "started.0" in markers
+
+
+END = r"""
+import sys
+from lightning_recover import lifecycle
+
+class Comm:  # what end_job needs from the communicator, logging the order of calls
+    rank = 1
+    def agree(self, flag):
+        print(f"agree({flag})", flush=True)
+        return True
+    def free(self):
+        print("free", flush=True)
+
+code = None if sys.argv[1] == "none" else int(sys.argv[1])
+lifecycle.end_job(Comm(), code)
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("code", "marker"), [("0", "ok.1"), ("3", "exited.1")])
+def test_end_job_agrees_frees_marks_and_exits(tmp_path: Path, code: str, marker: str) -> None:
+    env = {**os.environ, ENV_STATUS_DIR: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", END, code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == int(code)
+    assert proc.stdout.split() == ["agree(True)", "free"], "agree with the survivors first, then free, then leave at once"
+    assert os.listdir(tmp_path) == [marker]
+
+
+def test_end_job_without_exit_code_returns(tmp_path: Path) -> None:
+    env = {**os.environ, ENV_STATUS_DIR: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", END, "none"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert proc.stdout.split() == ["agree(True)", "free", "returned"]
+    assert os.listdir(tmp_path) == [], "without start_rank nothing registered an ok marker"
+
+
+def test_mark_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_STATUS_DIR, str(tmp_path))
+    lifecycle.mark_status("exited", 7)
+    assert os.listdir(tmp_path) == ["exited.7"]
+    with pytest.raises(ValueError, match="status marker must be 'started', 'ok' or 'exited', got 'done'"):
+        lifecycle.mark_status("done", 7)  # type: ignore[arg-type]
+    monkeypatch.setenv(ENV_STATUS_DIR, str(tmp_path / "gone"))
+    lifecycle.mark_status("ok", 7)  # outside a launched job (or after cleanup): silently nothing
+    assert os.listdir(tmp_path) == ["exited.7"]
