@@ -198,8 +198,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         lifecycle.prepare_mpi()
         from mpi4py import MPI
 
+        self.config.check_world(MPI.COMM_WORLD.Get_size())
         self.layout = RankLayout(MPI.COMM_WORLD.Get_size(), self.config.shards)
-        self.config.check_world(self.layout.world_size)
         self.comm = FaultTolerantComm(self.layout, bucket_bytes=self.bucket_bytes)
         lifecycle.start_rank(self.comm.rank, self.layout.world_size)
         c = self.config
@@ -228,7 +228,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             if not any(isinstance(c, cls) for c in trainer.callbacks):
                 trainer.callbacks.append(cls())
         ckpt = self.config.checkpoint
-        if ckpt.dir is not None and not any(isinstance(c, ReplicaCheckpoint) for c in trainer.callbacks):
+        if ckpt.enabled and not any(isinstance(c, ReplicaCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(ReplicaCheckpoint(ckpt.dir, ckpt.every_n_steps))
 
     @override
