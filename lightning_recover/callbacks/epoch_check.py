@@ -26,7 +26,7 @@ class EpochCheck(RecoveryCallback):
 
     @override
     def on_world_repaired(self, trainer: Any, pl_module: Any, repair: RepairResult, step: StepState | None) -> None:
-        if step is not None and step.handle is not None:
+        if step is not None and step.handle is not None and not step.agreed:
             step.stale_buckets_redone += len(step.handle.stale(repair.world_epoch))
 
     @override

@@ -100,14 +100,20 @@ class StepEngine:
         self.state: StepState | None = None
         #: Replicas lost since the engine started (in steps and in collectives between them).
         self.faults_seen = 0
+        # Recovery pauses and failed rounds of collectives between steps; the next step's
+        # record carries them, so no repair goes unaccounted in the ledger.
+        self._carried_pauses: list[float] = []
+        self._carried_detects: list[float] = []
 
     # ------------------------------------------------------------------ the step
     def begin(self, step: int) -> StepState:
         """Plan ``step`` for the live replicas; the state of the previous step is dropped."""
         plan = self.policy.begin_step(step, self.comm.alive_replicas)
         self.state = StepState(
-            step=step, replica=self.comm.replica, plan=plan, started_at=time.perf_counter(), world_epoch=self.comm.world_epoch
+            step=step, replica=self.comm.replica, plan=plan, started_at=time.perf_counter(), world_epoch=self.comm.world_epoch,
+            pauses=self._carried_pauses, detects=self._carried_detects,
         )
+        self._carried_pauses, self._carried_detects = [], []
         self.probes.set_computing(True)
         return self.state
 
@@ -133,6 +139,9 @@ class StepEngine:
         loss_out = torch.zeros(2, dtype=torch.float64)
         failed_at: float | None = None
         while True:
+            if st.replan_pending:
+                st.replan_pending = False
+                self._boundary(runner)
             self.dispatch("on_before_reduce", st)
             mine = st.mine
             loss_in = torch.tensor(
@@ -153,6 +162,7 @@ class StepEngine:
             with self.probes.waiting():
                 committed = self.comm.agree(ok)
             if committed:
+                st.agreed = True
                 break
             # The time blocked in a failed round (reduce + agreement) bounds how long a hung
             # peer went unnoticed; the agreement counts too, since a peer that hangs after
@@ -196,11 +206,15 @@ class StepEngine:
     # ------------------------------------------------------------------ recovery
     def _recover(self, runner: MicrobatchRunner) -> None:
         """Repair the world, let the policy re-plan, compute this replica's extra microbatches."""
-        st = self._current()
         with self.probes.waiting():
             res = self.comm.repair()
         self.repaired(res)
-        st.plan = self.policy.fail(res.lost_replicas)
+        self._current().plan = self.policy.fail(res.lost_replicas)
+        self._boundary(runner)
+
+    def _boundary(self, runner: MicrobatchRunner) -> None:
+        """Run what the re-planned step asks of this replica (callbacks decide, see on_boundary_step)."""
+        st = self._current()
         st.schedule = None
         self.dispatch("on_boundary_step", st)
         if st.schedule is None:
@@ -228,18 +242,36 @@ class StepEngine:
         """Run a collective outside the step; if a peer dies, repair and retry until one membership agrees.
 
         The policy learns of the loss at the next ``begin`` (the new membership is in
-        ``comm.alive_replicas``).
+        ``comm.alive_replicas``); that step's record carries the pause.
         """
+        # Inside a step (a metric sync in training_step) the step's own record takes the
+        # pause; between steps the next step's record does.
+        pauses, detects = (self.state.pauses, self.state.detects) if self.state is not None else (
+            self._carried_pauses, self._carried_detects
+        )
+        failed_at: float | None = None
         while True:
+            round_started = time.perf_counter()
             with self.probes.waiting():
                 try:
                     result, ok = fn(), True
                 except PeerFailure:
                     result, ok = None, False
                 if self.comm.agree(ok):
-                    return result  # type: ignore[return-value]
+                    break
+                detects.append(time.perf_counter() - round_started)
+                failed_at = time.perf_counter() if failed_at is None else failed_at
                 res = self.comm.repair()
             self.repaired(res)
+            st = self.state
+            if st is not None and not st.agreed and res.lost_replicas:
+                # Lost inside a step before its sum was agreed: re-plan now (so nothing of the
+                # lost replica is committed), compute the extra work just before reducing.
+                st.plan = self.policy.fail(res.lost_replicas)
+                st.replan_pending = True
+        if failed_at is not None:
+            pauses.append(time.perf_counter() - failed_at)
+        return result  # type: ignore[return-value]
 
     def abandon(self) -> None:
         """Forget a step left by an exception (below ``min_replicas``, a user error)."""

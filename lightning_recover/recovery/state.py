@@ -50,6 +50,11 @@ class StepState:
     handle: ReduceHandle | None = None
     schedule: Schedule | None = None
     loss: float | None = None
+    #: The reduction of this step was agreed: later repairs no longer change what it commits.
+    agreed: bool = False
+    #: A repair in a collective inside the step (e.g. a metric sync in training_step)
+    #: re-planned it; the extra microbatches run before the reduction.
+    replan_pending: bool = False
 
     @property
     def mine(self) -> ReplicaPlan:
