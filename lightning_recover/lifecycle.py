@@ -7,26 +7,32 @@ the final exit. Importing it (or any module of the package) changes no process-w
 state; each function below does one documented thing when it is called. Pure standard
 library: mpi4py is imported only by :func:`prepare_mpi`.
 
-Lifecycle of a rank (the strategy's ``setup_environment`` and ``shutdown`` drive it)::
+Lifecycle of a rank (the strategy's ``setup_environment`` drives it; the end runs by itself)::
 
     prepare_mpi()                        before mpi4py.MPI is first imported: no MPI_Finalize at exit
+    install_crash_hook(rank)             as soon as MPI says the job has peers (before any check can raise)
     comm = FaultTolerantComm(layout)     MPI is initialized; the communicator checks ULFM
-    start_rank(comm.rank, world_size)    crash hook (multi-rank jobs), "started" marker, "ok" at exit
+    start_rank(rank, world, end_of_job)  crash hook, "started" marker, the end of job at interpreter exit
     ... training: PeerFailure -> agree -> repair, inside the communicator ...
-    end_job(comm, exit_code)             agree with the survivors, free, marker, os._exit
+    (script ends) -> end_of_job()        agree with the survivors, free, "ok" marker, quick exit
+    end_job(comm, exit_code)             the same end on demand, then os._exit(exit_code)
 
 Error model -- every way a rank leaves, and what the rest of the job sees:
 
-* **Normal end.** :func:`end_job` with ``exit_code=0`` (or a plain interpreter exit after
-  :func:`start_rank`) leaves an ``ok.R`` marker. A deliberate non-zero exit (fewer live
-  replicas than ``min_replicas``) leaves ``exited.R``; both tell the launcher that the job
-  ended on purpose.
+* **Normal end.** The script simply ends: :func:`start_rank`'s exit handler runs the
+  strategy's end of job (agree with the survivors, withdraw the heartbeat, free the
+  communicators) and leaves an ``ok.R`` marker; Python keeps its own exit status. Nothing
+  to call; :func:`end_job` with ``exit_code=0`` does the same at once. A deliberate non-zero
+  stop (fewer live replicas than ``min_replicas``: ``end_job(comm, 3)``) leaves ``exited.R``;
+  both tell the launcher that the job ended on purpose.
 * **Replica-consistency gate.** A rank whose own replica lost a member calls
   :func:`gate_exit` and is killed by :data:`GATE_SIGNAL` (status :data:`GATE_EXIT_CODE`), so
   the other replicas only ever see whole replicas disappear.
-* **Uncaught exception.** With :func:`install_crash_hook` the traceback is printed and the
-  rank is killed by :data:`CRASH_SIGNAL`; the other replicas recover from it like from any
-  replica failure, and if every rank hits the same bug the job ends.
+* **Uncaught exception.** With :func:`install_crash_hook` the traceback is printed on the
+  process's real stderr (once per distinct traceback among the ranks of this host), a
+  ``raised.R`` marker names the exception, and the rank is killed by :data:`CRASH_SIGNAL`;
+  the other replicas recover from it like from any replica failure, and if every rank hits
+  the same bug the launcher says "the program raised" rather than "the replicas died".
 * **Hung peer.** The watchdog (same host, from heartbeats) and the communicator's repair
   (for ranks MPI declared dead) end it with :func:`kill_process`, which checks the pid
   still names the same process before sending SIGKILL.
@@ -35,17 +41,37 @@ Why signals and never ``sys.exit(nonzero)``: Open MPI 5.0.11 with ULFM never fin
 aborting a job when a rank exits with a plain non-zero status -- the other ranks are
 neither killed nor told and spin forever -- while a rank killed by a signal is an ordinary
 ULFM process failure that the survivors repair. No marker is written by a rank killed by
-a signal; the launcher reads "started but no ok/exited anywhere" as "nobody survived".
+a signal except ``raised.R``; the launcher reads "started but no ok/exited anywhere" as
+"nobody survived", and the ``raised`` markers tell it whether the program raised.
+
+Why the crash hook bypasses an in-memory ``sys.stderr``: torch's ``init_process_group`` wraps
+``sys.excepthook`` in a hook that swaps ``sys.stderr`` for a ``StringIO`` while the inner
+hook runs and writes the buffer out only after it returns; an inner hook that kills the
+process loses the traceback. Writing to the process's own stderr (``sys.__stderr__``)
+instead works wherever the hook ends up in the chain (torch re-wraps at every
+``init_process_group``).
+
+Why the exit handler freezes the garbage collector: interpreter shutdown of a process that
+imported torch and Lightning spends seconds (more on a loaded host, once per rank) in the
+final garbage collections over a heap that is about to be unmapped anyway. After the end
+of job, ``gc.freeze()`` leaves those objects out of the final collections; the other exit
+handlers still run and Python still reports its own exit status.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
+import hashlib
+import io
 import os
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, Literal, NoReturn
+import traceback
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Literal, NoReturn, TextIO
 
 from lightning_recover.launcher import ENV_STATUS_DIR
 
@@ -62,14 +88,25 @@ GATE_MESSAGE = "replica-consistency gate"
 CRASH_SIGNAL = signal.SIGKILL
 
 #: A status marker: ``started`` (the communicator is up), ``ok`` (ended normally),
-#: ``exited`` (stopped on purpose with a non-zero status).
-Status = Literal["started", "ok", "exited"]
+#: ``exited`` (stopped on purpose with a non-zero status), ``raised`` (an uncaught exception
+#: ended the rank; the file holds the exception's type name, then its last traceback line).
+Status = Literal["started", "ok", "exited", "raised"]
+STATUSES: tuple[Status, ...] = ("started", "ok", "exited", "raised")
+#: Prefix of the files ranks claim in the status directory so one traceback is printed once.
+PRINTED_PREFIX = "printed."
+#: Environment variables that tell a rank it was started by mpiexec / a PMIx launcher.
+_LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
 
 # Open MPI's runtime drops output a rank wrote just before it was killed: give it a moment.
 _OUTPUT_DRAIN_S = 0.3
 
 _crash_hook_installed = False
+_crash_rank: int | None = None
 _started_rank: int | None = None
+_end_of_job: Callable[[], None] | None = None
+# Communicators whose end of job ran (a process may run several jobs, e.g. one per test).
+_ended: weakref.WeakSet[FaultTolerantComm] = weakref.WeakSet()
+_warned_single = False
 
 
 # ---------------------------------------------------------------------- start
@@ -93,39 +130,156 @@ def prepare_mpi() -> bool:
     return True
 
 
-def start_rank(rank: int, world_size: int) -> None:
+def start_rank(rank: int, world_size: int, end_of_job: Callable[[], None] | None = None) -> None:
     """Set up this process as rank ``rank`` of a ``world_size``-rank job, once the communicator is up.
 
     Installs the crash hook when there are peers to protect (a single process keeps
-    Python's normal exit status), writes the ``started`` marker and registers the ``ok``
-    marker for a normal interpreter exit. Calling it again for the same rank does nothing.
+    Python's normal exit status), writes the ``started`` marker and registers the exit
+    handler: at a normal interpreter exit it calls ``end_of_job`` (the strategy's
+    agreement with the survivors, which must do nothing once :func:`end_job` ran), leaves
+    the ``ok`` marker (``raised`` when a single-process run ended by an exception) and
+    freezes the garbage collector so the interpreter's teardown takes a fraction of a
+    second instead of seconds. Calling it again for the same rank only replaces
+    ``end_of_job`` when one is given (the newest strategy's end runs).
     """
-    global _started_rank
+    global _started_rank, _end_of_job
     if _started_rank is not None:
         if _started_rank != rank:
             raise RuntimeError(f"this process already started as rank {_started_rank}; it cannot also be rank {rank}")
+        if end_of_job is not None:
+            _end_of_job = end_of_job
         return
     if world_size > 1:
-        install_crash_hook()
+        install_crash_hook(rank)
     mark_status("started", rank)
-    atexit.register(mark_status, "ok", rank)
+    _end_of_job = end_of_job
+    atexit.register(_exit_handler, rank)
     _started_rank = rank
 
 
-def install_crash_hook() -> None:
+def _exit_handler(rank: int) -> None:
+    """The interpreter is exiting normally (a multi-rank crash never gets here): end the job, mark, leave fast."""
+    if _end_of_job is not None:
+        try:
+            _end_of_job()
+        except BaseException as exc:  # the end itself failed: report it like any crash, never as "ok"
+            sys.excepthook(type(exc), exc, exc.__traceback__)  # a multi-rank crash hook does not return
+            mark_status("raised", rank, _describe(type(exc), exc))
+            sys.stderr.flush()
+            os._exit(1)
+    # Python sets sys.last_value when an uncaught exception ended the main module (one process, no crash hook).
+    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    if last is not None:
+        mark_status("raised", rank, _describe(type(last), last))
+    else:
+        mark_status("ok", rank)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    gc.disable()
+    gc.freeze()  # see the module docstring: the final collections are what made the exit slow
+
+
+def job_ended(comm: FaultTolerantComm) -> bool:
+    """Whether :func:`end_job` already agreed with the survivors on ``comm`` and freed it."""
+    return comm in _ended
+
+
+def launched() -> bool:
+    """Whether this process was started by mpiexec (or another PMIx/PMI launcher), not by plain ``python``."""
+    return any(v in os.environ for v in _LAUNCH_VARS) or ENV_STATUS_DIR in os.environ
+
+
+def warn_single_replica() -> None:
+    """Say once, on one stderr line, that a plain ``python script.py`` trains as a single replica."""
+    global _warned_single
+    if _warned_single:
+        return
+    _warned_single = True
+    script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script.py"
+    print(
+        f"[lightning-recover] warning: not started by a launcher, so this process trains as a single replica "
+        f"with no fault tolerance; to run N replicas: lightning-recover launch -n N -- python {script}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _describe(exc_type: type[BaseException], exc: BaseException) -> str:
+    """``TypeName`` then the traceback's last line (``TypeName: message``), for the ``raised`` marker."""
+    summary = traceback.format_exception_only(exc_type, exc)[-1].strip()
+    return f"{exc_type.__name__}\n{summary}\n"
+
+
+def _real_stderr() -> TextIO:
+    """Where a dying rank must write: ``sys.stderr``, unless an outer excepthook swapped in an
+    in-memory buffer (torch's does) that would die with the process; then the process's own."""
+    current = sys.stderr
+    if current is not None and not isinstance(current, io.StringIO) and not current.closed:
+        return current
+    stream = sys.__stderr__
+    return stream if stream is not None and not stream.closed else current
+
+
+def _first_to_print(text: str) -> bool:
+    """Claim the printing of ``text`` among the ranks that share the launcher's status directory.
+
+    The first rank to create ``printed.<digest>`` prints it; outside the launcher (or on
+    another host) every rank prints its own.
+    """
+    directory = os.environ.get(ENV_STATUS_DIR)
+    if not directory or not os.path.isdir(directory):
+        return True
+    digest = hashlib.sha1(text.encode("utf-8", "replace")).hexdigest()[:16]
+    try:
+        os.close(os.open(os.path.join(directory, PRINTED_PREFIX + digest), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def install_crash_hook(rank: int | None = None) -> None:
     """Make an uncaught exception end this rank by :data:`CRASH_SIGNAL` instead of a non-zero exit.
 
-    The previous hook prints the traceback first. See the module docstring for why a
-    signal: a crash on one node becomes a replica failure the others recover from.
+    The previous hook prints the traceback first, into a buffer written in one piece to
+    the process's real stderr (see the module docstring); a rank whose traceback another
+    rank on this host already printed says so in one line instead. With ``rank`` the hook
+    leaves the ``raised`` marker for the launcher. Calling it again only records ``rank``.
+    See the module docstring for why a signal: a crash on one node becomes a replica
+    failure the others recover from.
     """
-    global _crash_hook_installed
+    global _crash_hook_installed, _crash_rank
+    if rank is not None:
+        _crash_rank = rank
     if _crash_hook_installed:
         return
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: object) -> None:
-        previous(exc_type, exc, tb)  # type: ignore[arg-type]
-        print(f"[lightning-recover] uncaught {exc_type.__name__}: this rank leaves by {CRASH_SIGNAL.name}", file=sys.stderr, flush=True)
+        text = "".join(traceback.format_exception(exc_type, exc, tb))  # type: ignore[arg-type]
+        first = _first_to_print(text)
+        out = io.StringIO()
+        if first:
+            # Into our own buffer, written below in one piece: an outer hook's buffer (torch's)
+            # would die with this process, and one write keeps other ranks' lines out of it.
+            swapped, sys.stderr = sys.stderr, out
+            try:
+                previous(exc_type, exc, tb)  # type: ignore[arg-type]
+            except Exception:
+                out.write(text)
+            finally:
+                sys.stderr = swapped
+        who = "" if _crash_rank is None else f" (rank {_crash_rank}{'' if first else '; same traceback as another rank printed'})"
+        out.write(f"[lightning-recover] uncaught {exc_type.__name__}: this rank leaves by {CRASH_SIGNAL.name}{who}\n")
+        real = _real_stderr()
+        real.write(out.getvalue())
+        real.flush()
+        if _crash_rank is not None:
+            mark_status("raised", _crash_rank, _describe(exc_type, exc))
         sys.stdout.flush()
         time.sleep(_OUTPUT_DRAIN_S)
         os.kill(os.getpid(), CRASH_SIGNAL)
@@ -135,20 +289,22 @@ def install_crash_hook() -> None:
 
 
 # ---------------------------------------------------------------------- markers
-def mark_status(what: Status, rank: int) -> None:
-    """Leave the marker ``<what>.<rank>`` in the launcher's status directory, if it gave one.
+def mark_status(what: Status, rank: int, detail: str = "") -> None:
+    """Leave the marker ``<what>.<rank>`` (holding ``detail``) in the launcher's status directory, if it gave one.
 
     The launcher (:func:`lightning_recover.launcher.launch`) sets ``LIGHTNING_RECOVER_STATUS_DIR``
     and, after the job, reads the markers to tell a job in which no rank survived from one
-    that ended normally (with ULFM, mpiexec reports 0 either way). Outside the launcher,
-    or if the directory is gone, this does nothing: a marker is a hint, never a failure.
+    that ended normally (with ULFM, mpiexec reports 0 either way), and one whose program
+    raised from one whose replicas died. Outside the launcher, or if the directory is gone,
+    this does nothing: a marker is a hint, never a failure.
     """
-    if what not in ("started", "ok", "exited"):
-        raise ValueError(f"status marker must be 'started', 'ok' or 'exited', got {what!r}")
+    if what not in STATUSES:
+        raise ValueError(f"status marker must be 'started', 'ok', 'exited' or 'raised', got {what!r}")
     directory = os.environ.get(ENV_STATUS_DIR)
     if directory and os.path.isdir(directory):
         try:
-            open(os.path.join(directory, f"{what}.{rank}"), "w").close()
+            with open(os.path.join(directory, f"{what}.{rank}"), "w") as f:
+                f.write(detail)
         except OSError:
             pass
 
@@ -177,15 +333,19 @@ def gate_exit(rank: int, reason: str) -> NoReturn:
 def end_job(comm: FaultTolerantComm, exit_code: int | None = None) -> None:
     """End of job: agree with the survivors (nobody leaves while a peer still needs it), free.
 
-    With ``exit_code`` the process then writes its marker (``ok`` for 0, ``exited`` for a
-    deliberate non-zero stop such as fewer than ``min_replicas``) and exits at once,
-    without ``MPI_Finalize``: after a peer failure Open MPI's finalize can block on the
-    dead rank, which would hang the job at the very end of a successful run. Without it
-    the caller returns normally and the ``ok`` marker comes from :func:`start_rank`'s
-    exit handler.
+    Runs by itself at a normal interpreter exit (see :func:`start_rank`); call it to end
+    earlier or with a status. With ``exit_code`` the process then writes its marker
+    (``ok`` for 0, ``exited`` for a deliberate non-zero stop such as fewer than
+    ``min_replicas``) and exits at once, without ``MPI_Finalize``: after a peer failure
+    Open MPI's finalize can block on the dead rank, which would hang the job at the very
+    end of a successful run. Without it the caller returns normally and the ``ok`` marker
+    comes from :func:`start_rank`'s exit handler. The agreement and the free happen once
+    per communicator; a second call only exits.
     """
-    comm.agree(True)
-    comm.free()
+    if comm not in _ended:
+        comm.agree(True)
+        comm.free()
+        _ended.add(comm)
     if exit_code is not None:
         mark_status("ok" if exit_code == 0 else "exited", comm.rank)
         sys.stdout.flush()

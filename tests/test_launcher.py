@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lightning_recover import cli
-from lightning_recover.launcher import build_command, detector_flags, find_mpiexec, launch_env
+from lightning_recover.launcher import JobMarkers, build_command, detector_flags, final_words, find_mpiexec, launch_env
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = "/opt/mpi/bin/mpiexec"
@@ -229,3 +229,73 @@ def test_console_script_is_installed() -> None:
     res = subprocess.run([script], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0
     assert "usage: lightning-recover COMMAND" in res.stdout
+
+
+# ------------------------------------------------------------------------------ the launcher's last words
+def _markers(tmp_path: Path, files: dict[str, str]) -> JobMarkers:
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    return JobMarkers.read(str(tmp_path))
+
+
+BUG = "ValueError\nValueError: user bug 42\n"
+
+
+def test_every_rank_raised_the_same_error(tmp_path: Path) -> None:
+    m = _markers(tmp_path, {"started.0": "", "started.1": "", "raised.0": BUG, "raised.1": BUG, "printed.0123abcd": ""})
+    assert m.raised == {0: ("ValueError", "ValueError: user bug 42"), 1: ("ValueError", "ValueError: user bug 42")}
+    status, words = final_words(m, 2, 0)
+    assert status == 1, "mpiexec says 0 after SIGKILLed ranks; the job failed"
+    assert words == (
+        "the program raised ValueError on every rank (ValueError: user bug 42), traceback above; "
+        "fix the error, then relaunch (from the newest checkpoint: ckpt_path=last). Exit status 1"
+    )
+
+
+def test_raised_before_the_communicator_came_up_still_counts(tmp_path: Path) -> None:
+    # A ConfigurationError in setup: the crash hook marks it before any started marker exists.
+    cfg = "ConfigurationError\nlightning_recover.config.ConfigurationError: recover.target_replicas=3 but the job has 2 replicas\n"
+    status, words = final_words(_markers(tmp_path, {"raised.0": cfg, "raised.1": cfg}), 2, 0)
+    assert status == 1 and words is not None
+    assert words.startswith("the program raised ConfigurationError on every rank (lightning_recover.config.ConfigurationError: recover.target_replicas=3")
+
+
+def test_some_ranks_raised_and_the_others_died(tmp_path: Path) -> None:
+    other = "RuntimeError\nRuntimeError: other\n"
+    files = {f"started.{r}": "" for r in range(4)} | {"raised.0": BUG, "raised.2": BUG, "raised.3": other}
+    status, words = final_words(_markers(tmp_path, files), 4, 137)
+    assert status == 137, "mpiexec's own non-zero status stays"
+    assert words == (
+        "the program raised ValueError on ranks 0, 2 (ValueError: user bug 42) and RuntimeError on rank 3 "
+        "(RuntimeError: other), tracebacks above; rank 1 died or left through the replica-consistency gate; "
+        "fix the error, then relaunch (from the newest checkpoint: ckpt_path=last). Exit status 137"
+    )
+
+
+def test_replicas_died_without_an_exception(tmp_path: Path) -> None:
+    status, words = final_words(_markers(tmp_path, {"started.0": "", "started.1": ""}), 2, 0)
+    assert status == 1
+    assert words is not None and words.startswith("every rank of the job failed: no replica survived to continue in place: the replicas died")
+    assert "no rank raised an exception" in words and "ckpt_path=last" in words and "raised ValueError" not in words
+
+
+def test_survivors_finished_after_one_rank_raised(tmp_path: Path) -> None:
+    files = {f"started.{r}": "" for r in range(4)} | {"raised.3": BUG, "ok.0": "", "ok.1": "", "ok.2": ""}
+    status, words = final_words(_markers(tmp_path, files), 4, 0)
+    assert status == 0, "the survivors finished: the job succeeded"
+    assert words == (
+        "note: the program raised ValueError on rank 3 (ValueError: user bug 42), traceback above; "
+        "the other replicas went on without those ranks and finished"
+    )
+
+
+@pytest.mark.parametrize("files", [{}, {"started.0": "", "ok.0": ""}, {"started.0": "", "started.1": "", "exited.0": "", "exited.1": ""}])
+def test_nothing_to_add_for_a_normal_or_deliberate_end(tmp_path: Path, files: dict[str, str]) -> None:
+    assert final_words(_markers(tmp_path, files), 2, 0) == (0, None)
+    assert final_words(_markers(tmp_path, {}), 2, 3) == (3, None)
+
+
+def test_rank_ranges(tmp_path: Path) -> None:
+    files = {f"raised.{r}": BUG for r in range(1, 5)}
+    _, words = final_words(_markers(tmp_path, files), 6, 0)
+    assert words is not None and words.startswith("the program raised ValueError on ranks 1-4 (ValueError: user bug 42), traceback above; ranks 0, 5 died")

@@ -199,6 +199,74 @@ def test_crash_hook_prints_the_traceback_then_dies_by_sigkill() -> None:
     assert err.index("RuntimeError: boom in step 7") < err.index(line), "the traceback comes first"
 
 
+# torch's init_process_group wraps sys.excepthook and buffers stderr while the inner hook runs;
+# the crash hook kills the process inside that window, so it must write to the real stderr.
+UNDER_TORCH = r"""
+import sys
+import torch.distributed as dist
+from lightning_recover import lifecycle
+
+def init():
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+order = sys.argv[1]
+if order == "hook-then-init":
+    lifecycle.install_crash_hook(0)
+    init()
+elif order == "init-then-hook":
+    init()
+    lifecycle.install_crash_hook(0)
+else:  # torch wraps twice around ours (a process group re-created, e.g. for trainer.validate)
+    lifecycle.install_crash_hook(0)
+    init()
+    dist.destroy_process_group()
+    init()
+def training_step():
+    raise ValueError("user bug 42")
+training_step()
+"""
+
+
+@pytest.mark.parametrize("order", ["hook-then-init", "init-then-hook", "wrapped-twice"])
+def test_crash_hook_traceback_survives_torchs_excepthook_wrapper(tmp_path: Path, order: str) -> None:
+    env = {**os.environ, ENV_STATUS_DIR: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", UNDER_TORCH, order], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    err = proc.stderr
+    assert "Traceback (most recent call last):" in err and "in training_step" in err, err
+    assert "ValueError: user bug 42" in err
+    assert err.index("ValueError: user bug 42") < err.index("[lightning-recover] uncaught ValueError: this rank leaves by SIGKILL (rank 0)")
+    assert (tmp_path / "raised.0").read_text() == "ValueError\nValueError: user bug 42\n"
+
+
+SAME_BUG = r"""
+import sys
+from lightning_recover import lifecycle
+lifecycle.install_crash_hook(int(sys.argv[1]))
+def training_step():
+    raise ValueError("user bug 42")
+training_step()
+"""
+
+
+def test_ranks_sharing_the_status_directory_print_one_traceback_once(tmp_path: Path) -> None:
+    env = {**os.environ, ENV_STATUS_DIR: str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", SAME_BUG, str(r)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60) for r in (0, 1)]
+    assert [p.returncode for p in runs] == [-signal.SIGKILL, -signal.SIGKILL]
+    first, second = runs[0].stderr, runs[1].stderr
+    assert first.count("Traceback (most recent call last):") == 1 and "ValueError: user bug 42" in first
+    assert first.strip().splitlines()[-1] == "[lightning-recover] uncaught ValueError: this rank leaves by SIGKILL (rank 0)"
+    assert "Traceback" not in second, "the same traceback is printed once per host"
+    assert second.strip() == "[lightning-recover] uncaught ValueError: this rank leaves by SIGKILL (rank 1; same traceback as another rank printed)"
+    assert {m for m in os.listdir(tmp_path) if m.startswith("raised.")} == {"raised.0", "raised.1"}
+    # A different error is a different traceback: printed in full again.
+    other = subprocess.run(
+        [sys.executable, "-c", SAME_BUG.replace("user bug 42", "user bug 43"), "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert "ValueError: user bug 43" in other.stderr and "Traceback (most recent call last):" in other.stderr
+
+
 # ---------------------------------------------------------------------- markers and end of job
 START = r"""
 import sys
@@ -228,11 +296,13 @@ def test_start_rank_marks_started_and_ok_at_a_normal_exit(tmp_path: Path) -> Non
     assert markers == ["ok.5", "started.5"]
 
 
-def test_crashed_rank_leaves_only_its_started_marker(tmp_path: Path) -> None:
-    # What the launcher reads as "this rank did not survive".
+def test_crashed_rank_leaves_started_and_raised_but_never_ok(tmp_path: Path) -> None:
+    # What the launcher reads as "this rank did not survive, because the program raised".
     proc, markers = _start(tmp_path, 2, 4, "raise")
     assert proc.returncode == -signal.SIGKILL
-    assert markers == ["started.2"]
+    assert [m for m in markers if not m.startswith(lifecycle.PRINTED_PREFIX)] == ["raised.2", "started.2"]
+    assert (tmp_path / "status-2-4-raise" / "raised.2").read_text() == "RuntimeError\nRuntimeError: crash\n"
+    assert "RuntimeError: crash" in proc.stderr and "(rank 2)" in proc.stderr
 
 
 def test_single_process_keeps_pythons_exit_status(tmp_path: Path) -> None:
@@ -242,6 +312,8 @@ def test_single_process_keeps_pythons_exit_status(tmp_path: Path) -> None:
     assert proc.stdout.strip() == "python's hook"
     assert proc.returncode == 1 and "RuntimeError: crash" in proc.stderr
     assert "started.0" in markers
+    # The exit handler tells the launcher it raised: never "ok".
+    assert markers == ["raised.0", "started.0"]
 
 
 END = r"""
@@ -283,8 +355,86 @@ def test_mark_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_STATUS_DIR, str(tmp_path))
     lifecycle.mark_status("exited", 7)
     assert os.listdir(tmp_path) == ["exited.7"]
-    with pytest.raises(ValueError, match="status marker must be 'started', 'ok' or 'exited', got 'done'"):
+    with pytest.raises(ValueError, match="status marker must be 'started', 'ok', 'exited' or 'raised', got 'done'"):
         lifecycle.mark_status("done", 7)  # type: ignore[arg-type]
     monkeypatch.setenv(ENV_STATUS_DIR, str(tmp_path / "gone"))
     lifecycle.mark_status("ok", 7)  # outside a launched job (or after cleanup): silently nothing
     assert os.listdir(tmp_path) == ["exited.7"]
+
+
+# ---------------------------------------------------------------------- the end of a script
+EXIT = r"""
+import atexit, gc, sys
+from lightning_recover import lifecycle
+
+def after_everything():  # registered first, so it runs after lifecycle's exit handler
+    print(f"gc enabled={gc.isenabled()} frozen={gc.get_freeze_count() > 0}", flush=True)
+atexit.register(after_everything)
+
+class Comm:
+    rank = 1
+    def agree(self, flag):
+        print("agree", flush=True)
+        return True
+    def free(self):
+        print("free", flush=True)
+
+comm = Comm()
+def end_of_job():  # what the strategy registers: its shutdown(), a no-op once the job ended
+    print(f"end_of_job ended={lifecycle.job_ended(comm)}", flush=True)
+    if not lifecycle.job_ended(comm):
+        lifecycle.end_job(comm)
+
+lifecycle.start_rank(1, int(sys.argv[2]), end_of_job)
+print("script ends", flush=True)
+then = sys.argv[1]
+if then == "shutdown":
+    lifecycle.end_job(comm)
+elif then == "exit3":
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(
+    ("then", "code", "lines"),
+    [
+        # The script just ends: the end of job runs at exit, once, before the ok marker.
+        ("end", 0, ["script ends", "end_of_job ended=False", "agree", "free", "gc enabled=False frozen=True"]),
+        # It ended the job itself: the exit handler finds it done.
+        ("shutdown", 0, ["script ends", "agree", "free", "end_of_job ended=True", "gc enabled=False frozen=True"]),
+        # Python's own exit status stays.
+        ("exit3", 3, ["script ends", "end_of_job ended=False", "agree", "free", "gc enabled=False frozen=True"]),
+    ],
+)
+def test_a_script_that_ends_runs_the_end_of_job_once_and_keeps_its_status(tmp_path: Path, then: str, code: int, lines: list[str]) -> None:
+    env = {**os.environ, ENV_STATUS_DIR: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", EXIT, then, "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout.split("\n")[:-1] == lines
+    assert sorted(os.listdir(tmp_path)) == ["ok.1", "started.1"]
+
+
+def test_a_failing_end_of_job_is_reported_as_raised_never_ok(tmp_path: Path) -> None:
+    failing = EXIT.replace('    print(f"end_of_job ended', '    raise RuntimeError("agreement failed")\n    print(f"end_of_job ended')
+    env = {**os.environ, ENV_STATUS_DIR: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", failing, "end", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "RuntimeError: agreement failed" in proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["raised.1", "started.1"]
+
+
+def test_launched_and_the_single_replica_warning(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    for var in ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK", ENV_STATUS_DIR):
+        monkeypatch.delenv(var, raising=False)
+    assert lifecycle.launched() is False
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    assert lifecycle.launched() is True
+    monkeypatch.setattr(lifecycle, "_warned_single", False)
+    monkeypatch.setattr(sys, "argv", ["/home/me/train.py", "--lr", "1"])
+    lifecycle.warn_single_replica()
+    lifecycle.warn_single_replica()  # once per process
+    err = capsys.readouterr().err
+    assert err == (
+        "[lightning-recover] warning: not started by a launcher, so this process trains as a single replica with no "
+        "fault tolerance; to run N replicas: lightning-recover launch -n N -- python train.py\n"
+    )

@@ -3,14 +3,16 @@
 The step engine reduces; these own the decisions around a reduction, through the recovery
 hooks of :mod:`lightning_recover.recovery.hooks`: where the sums land and what a spare
 sends (:class:`ReductionBuffers`), the rule that only buckets reduced under one world
-epoch are committed (:class:`EpochCheck`), and which extra microbatches a replica runs
-after a failure (:class:`BoundaryScheduler`). The strategy installs default instances
-before Lightning's setup hooks run; pass configured ones in ``Trainer(callbacks=[...])``
-to replace them. :class:`RecoveryCallback` is the base for your own.
+epoch are committed (:class:`EpochCheck`), which extra microbatches a replica runs
+after a failure (:class:`BoundaryScheduler`), and that every live rank holds the leader's
+module buffers after each committed step (:class:`BufferSync`). The strategy installs
+default instances before Lightning's setup hooks run; pass configured ones in
+``Trainer(callbacks=[...])`` to replace them. :class:`RecoveryCallback` is the base for your own.
 """
 
 from lightning_recover.callbacks.base import RecoveryCallback
 from lightning_recover.callbacks.boundary import BoundaryScheduler
+from lightning_recover.callbacks.buffer_sync import BufferSync, broadcast_buffers
 from lightning_recover.callbacks.checkpoint import ReplicaCheckpoint, last_checkpoint, resolve_ckpt_path
 from lightning_recover.callbacks.epoch_check import EpochCheck, StaleBucketError
 from lightning_recover.callbacks.fault_injection import FaultInjection, FaultSpec
@@ -18,6 +20,7 @@ from lightning_recover.callbacks.reduction_buffers import ReductionBuffers
 
 __all__ = [
     "BoundaryScheduler",
+    "BufferSync",
     "EpochCheck",
     "FaultInjection",
     "FaultSpec",
@@ -25,6 +28,7 @@ __all__ = [
     "ReductionBuffers",
     "ReplicaCheckpoint",
     "StaleBucketError",
+    "broadcast_buffers",
     "last_checkpoint",
     "resolve_ckpt_path",
 ]

@@ -47,7 +47,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_recover import lifecycle
-from lightning_recover.callbacks import BoundaryScheduler, EpochCheck, ReductionBuffers, ReplicaCheckpoint
+from lightning_recover.callbacks import BoundaryScheduler, BufferSync, EpochCheck, ReductionBuffers, ReplicaCheckpoint
 from lightning_recover.communicator import FaultTolerantComm
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.data import MicrobatchSource, StepTicket, TicketLoader
@@ -67,7 +67,7 @@ from lightning_recover.watchdog import HangWatchdog, default_hang_timeout
 log = logging.getLogger(__name__)
 
 #: The protocol's own callbacks, installed when the user did not pass configured ones.
-DEFAULT_CALLBACKS = (ReductionBuffers, EpochCheck, BoundaryScheduler)
+DEFAULT_CALLBACKS = (ReductionBuffers, EpochCheck, BoundaryScheduler, BufferSync)
 
 
 class _Runner:
@@ -198,10 +198,17 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         lifecycle.prepare_mpi()
         from mpi4py import MPI
 
+        if MPI.COMM_WORLD.Get_size() > 1:
+            # First, so that every check below that raises ends the rank the way the launcher reports (lifecycle).
+            lifecycle.install_crash_hook(MPI.COMM_WORLD.Get_rank())
+        elif not lifecycle.launched():
+            lifecycle.warn_single_replica()
+        self._refuse_several_devices()
         self.config.check_world(MPI.COMM_WORLD.Get_size())
         self.layout = RankLayout(MPI.COMM_WORLD.Get_size(), self.config.shards)
         self.comm = FaultTolerantComm(self.layout, bucket_bytes=self.bucket_bytes)
-        lifecycle.start_rank(self.comm.rank, self.layout.world_size)
+        # The script's end runs `shutdown()` by itself at interpreter exit; no call needed.
+        lifecycle.start_rank(self.comm.rank, self.layout.world_size, end_of_job=self.shutdown)
         c = self.config
         self.policy = make_policy(c.policy, self.layout.replicas, c.grad_accum, T=c.target_replicas, min_replicas=c.min_replicas)
         if self.hang_timeout_s:
@@ -219,6 +226,16 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         if c.ledger_path is not None:
             self.ledger = LeaderLedger(c.ledger_path)
         super().setup_environment()
+
+    def _refuse_several_devices(self) -> None:
+        """One process drives one device here; Trainer(devices=N) would otherwise be silently ignored."""
+        devices = len(self.parallel_devices or ())
+        if devices > 1:
+            script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "script.py"
+            raise ConfigurationError(
+                f"Trainer(devices={devices}) with ReCoVerHSDPStrategy: each process drives one device; "
+                f"set Trainer(devices=1) and start one process per device: lightning-recover launch -n N -- python {script}"
+            )
 
     def _install_callbacks(self, trainer: Trainer) -> None:
         """The protocol's callbacks (unless the user configured their own) and the fallback checkpoint.
@@ -573,7 +590,22 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         super().teardown()
 
     def shutdown(self, exit_code: int | None = None) -> None:
-        """End of job for launched scripts: agree with survivors, then leave (see :func:`lifecycle.end_job`)."""
+        """End the job: agree with the survivors, withdraw the heartbeat, free; with ``exit_code``, leave at once.
+
+        A script does not need to call it: the same end runs by itself when the interpreter
+        exits (registered at setup through :func:`lifecycle.start_rank`), and the script
+        ends with Python's own status. Call it to stop with a status of your choice, e.g.
+        ``shutdown(exit_code=3)`` after a ``PolicyError`` (fewer than ``min_replicas``): the
+        rank then leaves without ``MPI_Finalize`` and the launcher reads a deliberate stop
+        (see :func:`lifecycle.end_job`). Calling it again only exits.
+        """
+        if self.comm is None or not lifecycle.job_ended(self.comm):
+            self._agree_on_the_end()
+        if self.comm is not None:
+            lifecycle.end_job(self.comm, exit_code)
+
+    def _agree_on_the_end(self) -> None:
+        """The survivors' last agreement (repairing a death after the last commit), then the watchdog stops."""
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.comm is not None and self.engine is not None and self.probes is not None:
@@ -587,8 +619,6 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
                     self.comm.agree(True)
         if self.watchdog is not None:
             self.watchdog.stop()
-        if self.comm is not None:
-            lifecycle.end_job(self.comm, exit_code)
 
     @classmethod
     @override

@@ -1,0 +1,52 @@
+"""The torch APIs the package relies on, with the first torch release that has each public.
+
+Installation, not the protocol: the lower bound on torch in ``pyproject.toml`` is the
+newest release in :data:`TORCH_APIS` (:data:`MIN_TORCH`), with no upper bound, so any
+current CUDA build of torch installs. ``tests/test_packaging.py`` keeps the two in step:
+it checks that every entry exists in the installed torch, that every FSDP2 / DTensor /
+``torch.distributed`` submodule API the package's source touches has an entry, and that
+``pyproject.toml`` says ``torch>=MIN_TORCH``. Adding a newer torch API means adding its
+row here (and the bound moves with it).
+
+Where a release was checked, and how:
+
+* ``FSDPModule.set_gradient_divide_factor`` and ``set_force_sum_reduction_for_comms``
+  arrived together in pytorch/pytorch#155915 ("Allow forcing FSDP2 to always use SUM
+  reductions", June 2025, which also renamed ``set_reduce_scatter_divide_factor``),
+  before the 2.8 branch cut; code that supports both releases falls back to
+  ``set_reduce_scatter_divide_factor`` on torch < 2.8. Both are needed on gloo (see
+  :mod:`lightning_recover.strategies.sharding`), so 2.8 is the floor.
+* ``torch.distributed.fsdp.fully_shard`` / ``FSDPModule``: the public FSDP2 path since 2.6
+  (``torch.distributed._composable.fsdp`` before).
+* ``torch.distributed.tensor``: public DTensor since 2.5 (``torch.distributed._tensor`` before).
+* ``torch.distributed.device_mesh.init_device_mesh``: public since 2.2.
+"""
+
+from __future__ import annotations
+
+#: Dotted torch API -> the torch release (major.minor) from which it is public: the first
+#: one for the entries listed above the table, an early release known to have it for the
+#: long-standing rest.
+TORCH_APIS: dict[str, str] = {
+    "torch.distributed.fsdp.fully_shard": "2.6",
+    "torch.distributed.fsdp.FSDPModule": "2.6",
+    "torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor": "2.8",
+    "torch.distributed.fsdp.FSDPModule.set_force_sum_reduction_for_comms": "2.8",
+    "torch.distributed.device_mesh.init_device_mesh": "2.2",
+    "torch.distributed.tensor.DTensor": "2.5",
+    "torch.distributed.tensor.DTensor.from_local": "2.5",
+    "torch.distributed.tensor.DTensor.to_local": "2.5",
+    "torch.distributed.tensor.DTensor.full_tensor": "2.5",
+    "torch.distributed.tensor.DTensor.placements": "2.5",
+    "torch.distributed.tensor.DTensor.device_mesh": "2.5",
+    # TCPStore(port=0, wait_for_workers=False) and its .port: the replica-local group's store.
+    "torch.distributed.TCPStore": "2.0",
+}
+
+
+def _key(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("."))
+
+
+#: The oldest torch every API above exists in: pyproject's lower bound.
+MIN_TORCH: str = max(TORCH_APIS.values(), key=_key)
