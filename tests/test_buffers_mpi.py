@@ -1,7 +1,8 @@
 """Launched jobs (real SIGKILLs): after fit every surviving rank holds the same buffers as the leader.
 
-A tiny BatchNorm classifier (tests/workers/bn_worker.py) on 4 replicas x 1 shard and on
-2 x 2, fault-free and with a non-leader replica killed mid-run. Each rank also records its
+A tiny BatchNorm classifier (tests/workers/bn_worker.py): 2 x 2 fault-free (the shard ranks
+of one replica see different halves of each microbatch) and 4 x 1 with a non-leader replica
+killed mid-run (survivors replay its microbatches unevenly). Each rank also records its
 buffers at every commit *before* BufferSync ran, which shows that its own data moved them
 away from the other ranks' (so the equality after fit is the sync's doing).
 """
@@ -20,7 +21,6 @@ from mpirun import MPIJob, run_mpi
 pytestmark = pytest.mark.mpi
 WORKER = "tests/workers/bn_worker.py"
 STEPS = 4
-TOPOLOGIES = {"4x1": 1, "2x2": 2}
 # Replica 2 of 4x1 / replica 1 of 2x2 (world rank 2 in both) dies in a forward of step 1.
 KILL = [{"step": 1, "rank": 2, "phase": "forward", "kind": "kill"}]
 
@@ -64,38 +64,21 @@ def check_buffers(job: MPIJob, survivors: list[int]) -> None:
     assert not torch.equal(buffers[0]["blocks.0.1.running_mean"], torch.zeros(16)), "the statistics never moved"
 
 
-@pytest.fixture(scope="module")
-def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[str, MPIJob]:
-    return {name: launch(tmp_path_factory.mktemp(f"bn{name}"), shards) for name, shards in TOPOLOGIES.items()}
+def test_fault_free_2x2_every_rank_holds_the_leaders_buffers(tmp_path: Path) -> None:
+    # The two shard ranks of one replica see different halves of each microbatch, so their
+    # statistics differ before the sync as much as the replicas' do.
+    check_buffers(launch(tmp_path, 2), [0, 1, 2, 3])
 
 
-@pytest.mark.parametrize("topology", list(TOPOLOGIES))
-def test_fault_free_every_rank_holds_the_leaders_buffers(fault_free: dict[str, MPIJob], topology: str) -> None:
-    # 2x2: the two shard ranks of one replica see different halves of each microbatch,
-    # so their statistics differ before the sync as much as the replicas' do.
-    check_buffers(fault_free[topology], [0, 1, 2, 3])
-
-
-@pytest.mark.parametrize("topology", list(TOPOLOGIES))
-def test_non_leader_killed_survivors_hold_the_leaders_buffers(
-    tmp_path: Path, fault_free: dict[str, MPIJob], topology: str
-) -> None:
-    shards = TOPOLOGIES[topology]
-    job = launch(tmp_path, shards, KILL)
-    survivors = [0, 1, 3] if shards == 1 else [0, 1]
+def test_non_leader_killed_4x1_survivors_hold_the_leaders_buffers(tmp_path: Path) -> None:
+    job = launch(tmp_path, 1, KILL)
+    survivors = [0, 1, 3]
     check_buffers(job, survivors)
     ledger = read_ledger(job.outdir / "ledger.jsonl")
     assert [line["step"] for line in ledger] == list(range(STEPS))
-    assert ledger[1]["faults"] == [2 // shards]
-    # Training itself is the fault-free run's: BatchNorm normalizes with batch statistics
-    # in training, so the buffers never feed back into the loss or the gradients.
-    verdict = check_ledger(job.outdir / "ledger.jsonl", reference=str(fault_free[topology].outdir / "ledger.jsonl"), rtol=1e-4)
-    assert verdict.ok, f"{verdict.problems}\n{job.describe()}"
-    reference = per_rank(fault_free[topology], "params")[0]
-    for k, v in per_rank(job, "params")[0].items():
-        torch.testing.assert_close(v, reference[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
-    if shards == 1:
-        # The replay of replica 2's microbatches ran on some survivors only: their forward
-        # counts differed before that step's sync, so integer buffers need the sync too.
-        counts = {r: int(per_rank(job, "presync")[r][1]["blocks.0.1.num_batches_tracked"]) for r in survivors}
-        assert len(set(counts.values())) > 1, counts
+    assert ledger[1]["faults"] == [2]
+    assert check_ledger(job.outdir / "ledger.jsonl").ok
+    # The replay of replica 2's microbatches ran on some survivors only: their forward
+    # counts differed before that step's sync, so integer buffers need the sync too.
+    counts = {r: int(per_rank(job, "presync")[r][1]["blocks.0.1.num_batches_tracked"]) for r in survivors}
+    assert len(set(counts.values())) > 1, counts
