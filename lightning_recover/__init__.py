@@ -14,7 +14,7 @@ Layers (see DESIGN.md), bottom up:
   callbacks     recovery callbacks (reduction buffers, epoch check, boundary scheduling),
                 fault injection, fallback checkpoints
   strategies    the Lightning strategy: Lightning's hooks, delegating to the step engine
-  loggers       CSV logs a new leader continues
+  loggers       logs (CSV, TensorBoard) that survive a change of leader
   launcher/cli  lightning-recover launch | check-ledger
 
 The demo (examples/demo.py), the chaos campaign (benchmarks/chaos.py) and the goodput

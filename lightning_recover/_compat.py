@@ -20,6 +20,7 @@ Where a release was checked, and how:
   (``torch.distributed._composable.fsdp`` before).
 * ``torch.distributed.tensor``: public DTensor since 2.5 (``torch.distributed._tensor`` before).
 * ``torch.distributed.device_mesh.init_device_mesh``: public since 2.2.
+* ``torch.distributed.device_mesh.DeviceMesh``: public since 2.2 (the same module).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ TORCH_APIS: dict[str, str] = {
     "torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor": "2.8",
     "torch.distributed.fsdp.FSDPModule.set_force_sum_reduction_for_comms": "2.8",
     "torch.distributed.device_mesh.init_device_mesh": "2.2",
+    "torch.distributed.device_mesh.DeviceMesh": "2.2",
     "torch.distributed.tensor.DTensor": "2.5",
     "torch.distributed.tensor.DTensor.from_local": "2.5",
     "torch.distributed.tensor.DTensor.to_local": "2.5",

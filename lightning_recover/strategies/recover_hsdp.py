@@ -33,7 +33,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ from lightning_recover.communicator import FaultTolerantComm
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.data import MicrobatchSource, StepTicket, TicketLoader
 from lightning_recover.ledger import LeaderLedger
+from lightning_recover.loggers import LeaderLogs
 from lightning_recover.policy import WorkloadPolicy, make_policy
 from lightning_recover.recovery.engine import StepEngine
 from lightning_recover.recovery.hooks import dispatcher
@@ -60,9 +61,19 @@ from lightning_recover.strategies import checkpoint_io
 from lightning_recover.strategies.environment import ReplicaEnvironment
 from lightning_recover.strategies.probes import StrategyProbes, install_progress_hooks
 from lightning_recover.strategies.replica_group import init_replica_group, is_comm_error
-from lightning_recover.strategies.sharding import load_local_optimizer_state, local, shard_model, to_local_tree
+from lightning_recover.strategies.sharding import (
+    is_sharded,
+    load_local_optimizer_state,
+    local,
+    replica_mesh,
+    shard_model,
+    to_local_tree,
+)
 from lightning_recover.topology import RankLayout
 from lightning_recover.watchdog import HangWatchdog, default_hang_timeout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +142,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._batch_idx = 0
         #: The ledger record of the last committed step (also on ranks that do not write the ledger).
         self.last_record: dict[str, Any] | None = None
+        self._device_mesh: DeviceMesh | None = None
 
     # ------------------------------------------------------------------ ranks
     @property
@@ -183,6 +195,16 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         return self.comm.replica
 
     @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 1-D mesh (``"data_parallel"``) over this replica's shard ranks; see :func:`~.sharding.replica_mesh`.
+
+        The LightningModule sees it as ``self.device_mesh`` in ``configure_model``, as under
+        ``ModelParallelStrategy``; a model sharded there keeps its FSDP units."""
+        if self._device_mesh is None:
+            raise RuntimeError("the device mesh is created in setup_environment(); it is available from configure_model() on")
+        return self._device_mesh
+
+    @property
     def B(self) -> int:
         assert self.policy is not None
         return self.policy.B
@@ -226,6 +248,10 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         if c.ledger_path is not None:
             self.ledger = LeaderLedger(c.ledger_path)
         super().setup_environment()
+        # After the accelerator selected this rank's device, which DeviceMesh would otherwise guess.
+        self._device_mesh = replica_mesh(self.root_device.type, c.shards)
+        # LightningModule.device_mesh has no setter; ModelParallelStrategy assigns `_device_mesh` the same way.
+        self.lightning_module._device_mesh = self._device_mesh  # type: ignore[union-attr]
 
     def _refuse_several_devices(self) -> None:
         """One process drives one device here; Trainer(devices=N) would otherwise be silently ignored."""
@@ -255,8 +281,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self.config.shards > 1:
-            shard_model(self.model, self.config.shards, self.root_device.type)
+        if self.config.shards > 1 or is_sharded(self.model):
+            shard_model(self.model, self.device_mesh)
         if self.watchdog is not None and self.watchdog.stuck_timeout is not None:
             install_progress_hooks(self.model, self.watchdog.tick)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -281,13 +307,29 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         if not self.lightning_module.automatic_optimization:  # type: ignore[union-attr]
             raise ConfigurationError("ReCoVerHSDPStrategy needs automatic optimization (self.automatic_optimization = True)")
 
+    #: Every rank's copy of what the leader logs (:mod:`lightning_recover.loggers`); None while no successor can exist.
+    _leader_logs: LeaderLogs | None = None
+
     def _sync_logger_versions(self, trainer: Trainer) -> None:
-        """All ranks agree on the loggers' version so a new leader writes into the same run directory."""
+        """All ranks agree on the loggers' version so a new leader writes into the same run directory,
+        and keep what the leader logs so a new leader finishes and continues its logs (:class:`LeaderLogs`)."""
         for lg in trainer.loggers:
             # Lightning's loggers keep the resolved version in `_version` and offer no setter.
             if hasattr(lg, "_version"):
                 version = lg.version if self.global_rank == 0 else None
                 lg._version = self.broadcast(version, 0)
+        if self.comm is None or len(self.comm.alive_replicas) < 2 or not trainer.loggers:
+            return
+        if self._leader_logs is None:
+            self._leader_logs = LeaderLogs()
+        if self._leader_logs not in trainer.callbacks:
+            # Its on_step_committed recovery hook is dispatched to trainer.callbacks.
+            trainer.callbacks.append(self._leader_logs)
+        leader = self.global_rank == 0
+        counts = self._leader_logs.adopt(trainer.loggers, is_leader=leader)
+        if counts:  # the same loggers are new on every rank
+            # A leader dying in this broadcast leaves the successor's None: its file was just started.
+            self._leader_logs.set_bases(self.broadcast(counts if leader else None, 0) or [0] * len(counts))
 
     def _sync_initial_state(self) -> None:
         """Every replica starts from the lowest replica's weights, seeded or not (shard by shard)."""
@@ -357,13 +399,42 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.probes.tick()
         torch.manual_seed(self.data.seed_for(st.step, offset))
         batch = self.batch_to_device(self.data.fetch(st.step, offset))
-        with self.replica_guard("forward"):
+        with self.replica_guard("forward"), self._logging_as_batch(batch, first=st.microbatches_run == 0):
             out = super().training_step(batch, self._batch_idx)
         loss = out["loss"] if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor):
             raise TypeError(f"training_step must return a loss tensor (or a dict with 'loss'), got {type(out).__name__}")
         self.engine.record(offset, float(loss.detach().float()))
         return out
+
+    @contextmanager
+    def _logging_as_batch(self, batch: Any, first: bool) -> Iterator[None]:
+        """``self.log`` in this microbatch's ``training_step`` counts it as Lightning counts one batch.
+
+        With ``accumulate_grad_batches`` Lightning reads each batch's size from the batch it
+        passed to ``training_step`` (here a :class:`StepTicket`), files values under the hook
+        running (``optimizer_step`` for our later microbatches, whose epoch means would then
+        replace the first's), and while in an epoch's first batch resets a hook's values
+        whenever another hook logged since (``training_step`` and ``on_after_backward``
+        alternate between our microbatches). All three live in the loop's private state
+        (``trainer._results``, ``_current_fx_name``, the logger connector's
+        ``_first_loop_iter``), which no public API sets; the epoch value so covers every
+        microbatch, means weighted by their size.
+        """
+        module = self.lightning_module
+        results = module.trainer._results if module is not None else None
+        if module is None or results is None:
+            yield
+            return
+        results.batch, results.batch_size = batch, None
+        if not first:
+            # A later microbatch is a later batch of the epoch, as with accumulate_grad_batches.
+            module.trainer._logger_connector._first_loop_iter = False
+        previous, module._current_fx_name = module._current_fx_name, "training_step"
+        try:
+            yield
+        finally:
+            module._current_fx_name = previous
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -424,6 +495,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     def _on_repair(self, res: RepairResult) -> None:
         """A repair moved leadership, perhaps to this rank: Lightning's rank-zero gates follow."""
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+        if self._leader_logs is not None:
+            self._leader_logs.leadership(self.global_rank == 0)
         if self.comm is not None and self.global_rank == 0:
             print(
                 f"[lightning-recover] world epoch {self.comm.world_epoch}: lost replica(s) {list(res.lost_replicas)}; "

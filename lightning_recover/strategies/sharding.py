@@ -2,28 +2,58 @@
 
 The replica-local FSDP2 reduce-scatter must *sum* (the constant ``B * S`` divisor is
 applied once, after the cross-replica sum), and the cross-replica reduction works on each
-parameter's local shard. Checkpoints hold local shards too.
+parameter's local shard. Checkpoints hold local shards too. A user who shards the model
+in ``configure_model`` (over the strategy's ``device_mesh``) keeps their FSDP units; the
+sum reduction is set on them all the same.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
-def shard_model(model: torch.nn.Module, shards: int, device_type: str) -> None:
-    """One FSDP unit per repeated block (the members of ModuleLists), then the root; all units sum."""
+
+def replica_mesh(device_type: str, shards: int) -> DeviceMesh:
+    """The 1-D mesh over this replica's ``shards`` ranks (torch's default group, replica-local).
+
+    Its one dimension is named ``"data_parallel"``, as the FSDP dimension of Lightning's
+    ``ModelParallelStrategy`` mesh, so ``fully_shard(m, mesh=self.device_mesh)`` and
+    ``self.device_mesh["data_parallel"]`` in ``configure_model`` both shard over the replica.
+    """
     from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (shards,), mesh_dim_names=("data_parallel",))
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether any submodule of ``model`` (or the model) was already wrapped by FSDP2's ``fully_shard``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Shard ``model`` over ``mesh`` unless the user did (``configure_model``); every FSDP unit then sums.
+
+    The default wrapping is one FSDP unit per repeated block (the members of ModuleLists),
+    then the root. A model the user sharded keeps its units; only its root is wrapped if the
+    user left it out, since parameters outside every unit would never be reduced inside the
+    replica and its shard ranks would drift apart.
+    """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    mesh = init_device_mesh(device_type, (shards,))
-    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+    if not is_sharded(model):
         for container in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
             for block in container:
                 fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif not isinstance(model, FSDPModule):
         fully_shard(model, mesh=mesh)
     for m in model.modules():
         if isinstance(m, FSDPModule):
