@@ -2,9 +2,11 @@
 
 Schedule entries are ``{step, rank, phase, kind}`` with optional ``microbatch`` and
 ``bucket``. ``rank`` is an ORIGINAL world rank; ``step`` the optimizer step (0-based).
-``phase`` is one of forward | backward | reduce | optimizer | checkpoint; ``checkpoint``
-fires while the leader replica writes the checkpoint of global step ``step``, after this
-rank's shard file is written and before anything is renamed into place. ``kind`` is kill
+``phase`` is one of forward | backward | reduce | optimizer | checkpoint | validation |
+test | predict; ``checkpoint`` fires while the leader replica writes the checkpoint of
+global step ``step``, after this rank's shard file is written and before anything is
+renamed into place; validation / test / predict fire before this rank's ``microbatch``-th
+batch (0-based) of an evaluation loop run at global step ``step`` (never in the sanity check). ``kind`` is kill
 (SIGKILL), hang (SIGSTOP: no thread of the process runs) or stuck (the main thread spins
 forever while the process stays alive, like a rank wedged in compute). ``microbatch``
 pins forward/backward to the k-th microbatch (0-based) this replica computes in that
@@ -24,7 +26,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint")
+PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "validation", "test", "predict")
+EVALUATION_PHASES = ("validation", "test", "predict")
 KINDS = ("kill", "hang", "stuck")
 _SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 
@@ -83,7 +86,7 @@ class FaultInjection(Callback):
         for i, spec in enumerate(self.schedule):
             if i in self._fired or spec.rank != rank or spec.step != step or spec.phase != phase:
                 continue
-            if phase in ("forward", "backward") and (spec.microbatch or 0) != (microbatch or 0):
+            if phase in ("forward", "backward", *EVALUATION_PHASES) and (spec.microbatch or 0) != (microbatch or 0):
                 continue
             if phase == "reduce" and (spec.bucket or 0) != (bucket or 0):
                 continue

@@ -43,6 +43,7 @@ import torch
 
 from lightning_recover.policy import WorkloadPolicy
 from lightning_recover.recovery.hooks import Dispatch
+from lightning_recover.recovery import step_values
 from lightning_recover.recovery.interface import PeerFailure, RepairResult, ReplicaComm
 from lightning_recover.recovery.state import StepState
 
@@ -123,6 +124,10 @@ class StepEngine:
         st.losses[offset] = loss
         st.computed.append(offset)
 
+    def record_logged(self, offset: int, values: dict[str, step_values.Values]) -> None:
+        """Values microbatch ``offset`` logged for a cross-replica sum at commit (:mod:`~.step_values`)."""
+        self._current().logged[offset] = values
+
     def run(self, runner: MicrobatchRunner, offsets: Sequence[int]) -> None:
         for offset in offsets:
             runner.run_microbatch(offset)
@@ -136,7 +141,6 @@ class StepEngine:
         st = self._current()
         st.local = runner.local_grads()
         st.handle = self.comm.plan(st.local)
-        loss_out = torch.zeros(2, dtype=torch.float64)
         failed_at: float | None = None
         while True:
             if st.replan_pending:
@@ -144,17 +148,22 @@ class StepEngine:
                 self._boundary(runner)
             self.dispatch("on_before_reduce", st)
             mine = st.mine
-            loss_in = torch.tensor(
-                [sum(st.losses[i] for i in mine.ids) if mine.contributes else 0.0, len(mine.ids) if mine.contributes else 0],
-                dtype=torch.float64,
-            )
+            owned = mine.ids if mine.contributes else ()
+            keys = step_values.keys_of(st.logged)
+            head_in = step_values.header(sum(st.losses[i] for i in owned), len(owned), keys)
+            head_out = torch.empty_like(head_in)
+            logged_in = step_values.payload(st.logged, owned, keys)
+            logged_out = torch.empty_like(logged_in)
             round_started = time.perf_counter()
             try:
                 with self.probes.waiting():
                     self.comm.allreduce(
                         st.send, st.out, handle=st.handle, on_bucket=self._before_bucket, after_bucket=self._after_bucket
                     )
-                    self.comm.allreduce([loss_in], [loss_out], across="world")
+                    self.comm.allreduce([head_in], [head_out], across="world")
+                    step_values.check_header(head_out, keys)
+                    if keys:
+                        self.comm.allreduce([logged_in], [logged_out], across="world")
                 ok = True
             except PeerFailure as exc:
                 log.warning("step %d: %s", st.step, exc)
@@ -174,7 +183,8 @@ class StepEngine:
         self.dispatch("on_before_commit", st)
         if failed_at is not None:
             st.pauses.append(time.perf_counter() - failed_at)
-        st.loss = float(loss_out[0]) / max(1.0, float(loss_out[1]))
+        st.loss = float(head_out[0]) / max(1.0, float(head_out[1]))
+        st.logged_totals = step_values.unpack(logged_out, keys)
         # Constant divisor: B microbatches (times the shards, whose FSDP reduce-scatter sums),
         # never the number of survivors.
         divisor = st.plan.divisor * self.shards
@@ -225,7 +235,7 @@ class StepEngine:
         if st.schedule.reset:
             for grad in runner.local_grads():
                 grad.zero_()
-            st.computed, st.losses = [], {}
+            st.computed, st.losses, st.logged = [], {}, {}
         self.run(runner, st.schedule.run)
 
     def repaired(self, res: RepairResult) -> None:

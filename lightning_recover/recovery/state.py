@@ -35,6 +35,8 @@ class StepState:
     #: Step-local microbatch ids whose gradients are in this replica's accumulator.
     computed: list[int] = field(default_factory=list)
     losses: dict[int, float] = field(default_factory=dict)
+    #: Values logged per microbatch for a cross-replica sum at commit (see :mod:`~.step_values`).
+    logged: dict[int, dict[str, tuple[float, float, float, float]]] = field(default_factory=dict)
     #: Microbatches this replica ran so far in the step (fault injection counts by it).
     microbatches_run: int = 0
     lost_replicas: list[int] = field(default_factory=list)
@@ -50,6 +52,8 @@ class StepState:
     handle: ReduceHandle | None = None
     schedule: Schedule | None = None
     loss: float | None = None
+    #: The logged values summed over the step's B microbatches (every live rank the same).
+    logged_totals: dict[str, tuple[float, float, float, float]] = field(default_factory=dict)
     #: The reduction of this step was agreed: later repairs no longer change what it commits.
     agreed: bool = False
     #: A repair in a collective inside the step (e.g. a metric sync in training_step)

@@ -59,8 +59,10 @@ from lightning_recover.recovery.hooks import dispatcher
 from lightning_recover.recovery.interface import RepairResult
 from lightning_recover.strategies import checkpoint_io
 from lightning_recover.strategies.environment import ReplicaEnvironment
+from lightning_recover.strategies.evaluation_loader import EvaluationLoader
 from lightning_recover.strategies.probes import StrategyProbes, install_progress_hooks
 from lightning_recover.strategies.replica_group import init_replica_group, is_comm_error
+from lightning_recover.strategies.step_logs import StepLogs
 from lightning_recover.strategies.sharding import (
     is_sharded,
     load_local_optimizer_state,
@@ -81,6 +83,16 @@ log = logging.getLogger(__name__)
 DEFAULT_CALLBACKS = (ReductionBuffers, EpochCheck, BoundaryScheduler, BufferSync)
 
 
+def _splittable(dataloader: object) -> bool:
+    """A DataLoader over a map-style dataset: evaluation can split it by sample index."""
+    dataset = getattr(dataloader, "dataset", None)
+    return (
+        isinstance(dataloader, torch.utils.data.DataLoader)
+        and not isinstance(dataset, torch.utils.data.IterableDataset)
+        and hasattr(dataset, "__len__")
+    )
+
+
 class _Runner:
     """The engine's MicrobatchRunner for one optimizer step: forward and backward through Lightning."""
 
@@ -89,8 +101,10 @@ class _Runner:
         self.optimizer = optimizer
 
     def run_microbatch(self, offset: int) -> None:
+        self.strategy._start_logging()
         out = self.strategy._forward(offset)
         self.strategy.backward(out["loss"] if isinstance(out, Mapping) else out, self.optimizer)
+        self.strategy._capture_logged()
 
     def local_grads(self) -> list[Tensor]:
         assert self.strategy.model is not None
@@ -143,6 +157,12 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         #: The ledger record of the last committed step (also on ranks that do not write the ledger).
         self.last_record: dict[str, Any] | None = None
         self._device_mesh: DeviceMesh | None = None
+        self._step_logs = StepLogs()
+        self._log_bases: dict[str, tuple[float, float]] = {}
+        self._logging_offset = 0
+        #: Inside validation_step / test_step / predict_step (their batches differ in number across ranks).
+        self._evaluating_batch = False
+        self._eval_batches = 0
 
     # ------------------------------------------------------------------ ranks
     @property
@@ -176,8 +196,10 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     @property
     @override
     def is_distributed(self) -> bool:
-        # Data placement is ours (planner); Lightning must not inject a DistributedSampler.
-        return False
+        # Lightning reduces `self.log(..., sync_dist=True)` only for distributed strategies
+        # (through `reduce`, see there). Data placement stays ours: setup_environment turns
+        # Lightning's DistributedSampler off.
+        return True
 
     @property
     @override
@@ -217,6 +239,25 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
+        # fit, validate, test and predict each call this; the job's MPI world, process group
+        # and engine are made once, by the first.
+        if self.comm is None:
+            self._start_rank()
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        # Data placement is ours (the planner for training, an exactly-once split for
+        # evaluation); Lightning's DistributedSampler would pad with duplicates. The Trainer
+        # flag lives on its accelerator connector only (no public setter after construction).
+        trainer._accelerator_connector.use_distributed_sampler = False
+        self._install_callbacks(trainer)
+        super().setup_environment()
+        if self._device_mesh is None:
+            # After the accelerator selected this rank's device, which DeviceMesh would otherwise guess.
+            self._device_mesh = replica_mesh(self.root_device.type, self.config.shards)
+        # LightningModule.device_mesh has no setter; ModelParallelStrategy assigns `_device_mesh` the same way.
+        self.lightning_module._device_mesh = self._device_mesh  # type: ignore[union-attr]
+
+    def _start_rank(self) -> None:
+        """This rank joins the job: MPI, crash handling, the communicator, the policy, the replica-local group, the engine."""
         lifecycle.prepare_mpi()
         from mpi4py import MPI
 
@@ -239,7 +280,6 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         init_replica_group(self.comm, c.shards, c.timeout_s, backend)
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        self._install_callbacks(trainer)
         self.probes = StrategyProbes(self.comm.rank, self.watchdog, lambda: trainer.callbacks)
         dispatch = dispatcher(lambda: trainer.callbacks, lambda: (trainer, self.lightning_module))
         self.engine = StepEngine(
@@ -247,11 +287,6 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         )
         if c.ledger_path is not None:
             self.ledger = LeaderLedger(c.ledger_path)
-        super().setup_environment()
-        # After the accelerator selected this rank's device, which DeviceMesh would otherwise guess.
-        self._device_mesh = replica_mesh(self.root_device.type, c.shards)
-        # LightningModule.device_mesh has no setter; ModelParallelStrategy assigns `_device_mesh` the same way.
-        self.lightning_module._device_mesh = self._device_mesh  # type: ignore[union-attr]
 
     def _refuse_several_devices(self) -> None:
         """One process drives one device here; Trainer(devices=N) would otherwise be silently ignored."""
@@ -366,6 +401,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and not trainer.training and _splittable(dataloader):
+            assert self.comm is not None and self.engine is not None and self.probes is not None
+            return EvaluationLoader(dataloader, self.comm, self.config.shards, self.engine.repaired, self.probes.waiting)  # type: ignore[arg-type]
         if trainer is None or not trainer.training or isinstance(dataloader, TicketLoader):
             return dataloader
         assert self.policy is not None and self.comm is not None
@@ -388,13 +426,29 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         assert self.engine is not None
         self._batch_idx = args[1] if len(args) > 1 else 0
         step = self.engine.begin(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
+        self._log_bases = self._step_logs.begin_step(self._train_results())
         with self._abandon_step_on_error():
+            self._start_logging()
             return self._forward(step.mine.ids[0])
+
+    def _train_results(self) -> Any:
+        # The fit loop's logged values; Lightning exposes no public handle on them (see step_logs).
+        module = self.lightning_module
+        return module.trainer._results if module is not None and module._trainer is not None else None
+
+    def _start_logging(self) -> None:
+        self._step_logs.start(self._train_results())
+
+    def _capture_logged(self) -> None:
+        """What the microbatch just computed logged with sync_dist, for the commit's reduction."""
+        assert self.engine is not None
+        self.engine.record_logged(self._logging_offset, self._step_logs.capture(self._train_results()))
 
     def _forward(self, offset: int) -> Any:
         """Forward of one microbatch (step-local id ``offset``) with its own RNG stream."""
         assert self.engine is not None and self.engine.state is not None and self.data is not None and self.probes is not None
         st = self.engine.state
+        self._logging_offset = offset
         self.probes.fault_point("forward", step=st.step, microbatch=st.microbatches_run)
         self.probes.tick()
         torch.manual_seed(self.data.seed_for(st.step, offset))
@@ -406,6 +460,45 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             raise TypeError(f"training_step must return a loss tensor (or a dict with 'loss'), got {type(out).__name__}")
         self.engine.record(offset, float(loss.detach().float()))
         return out
+
+    # ------------------------------------------------------------------ evaluation
+    @override
+    def on_validation_start(self) -> None:
+        self._eval_batches = 0
+
+    @override
+    def on_test_start(self) -> None:
+        self._eval_batches = 0
+
+    @override
+    def on_predict_start(self) -> None:
+        self._eval_batches = 0
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step("validation", super().validation_step, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step("test", super().test_step, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._evaluation_step("predict", super().predict_step, *args, **kwargs)
+
+    def _evaluation_step(self, phase: str, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One evaluation batch of this rank's share (:class:`EvaluationLoader`), a fault point, guarded."""
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        if self.probes is not None and not trainer.sanity_checking:
+            self.probes.fault_point(phase, step=trainer.global_step, microbatch=self._eval_batches)
+            self.probes.tick()
+        self._eval_batches += 1
+        self._evaluating_batch = True
+        try:
+            with self.replica_guard(phase):
+                return step_fn(*args, **kwargs)
+        finally:
+            self._evaluating_batch = False
 
     @contextmanager
     def _logging_as_batch(self, batch: Any, first: bool) -> Iterator[None]:
@@ -455,10 +548,12 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         runner = _Runner(self, optimizer)
         with self._abandon_step_on_error():
             result = closure()  # training_step(ticket) -> first microbatch, zero_grad, backward
+            self._capture_logged()
             st = self.engine.state
             assert st is not None
             self.engine.run(runner, st.mine.ids[1:])
             self.engine.reduce_until_committed(runner)
+            self._step_logs.apply(self._train_results(), st.logged_totals, self._log_bases, self.world_size)
             # on_before_optimizer_step and clipping must see the reduced gradient, as with stock
             # strategies; the precision plugin's `_after_closure` is the one place that runs both
             # (no public equivalent in Lightning 2.6).
@@ -495,6 +590,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     def _on_repair(self, res: RepairResult) -> None:
         """A repair moved leadership, perhaps to this rank: Lightning's rank-zero gates follow."""
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+        self._step_logs.rescale(self.world_size)
         if self._leader_logs is not None:
             self._leader_logs.leadership(self.global_rank == 0)
         if self.comm is not None and self.global_rank == 0:
@@ -522,6 +618,14 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
         if not isinstance(tensor, Tensor) or self.comm is None or self.engine is None:
+            return tensor
+        st = self.engine.state
+        if st is not None and not st.agreed:
+            # Inside a step ranks run different numbers of microbatches: a collective per
+            # self.log call would pair different calls. The commit reduces them (step_logs).
+            return tensor
+        if self._evaluating_batch:
+            # Ranks evaluate different numbers of batches (no padding); epoch values are synced.
             return tensor
         op = str(reduce_op).lower().split(".")[-1] if reduce_op is not None else "mean"
         if op not in ("mean", "avg", "sum"):

@@ -1,0 +1,80 @@
+"""The loader Lightning iterates for validation, test and predict: this rank's exactly-once share.
+
+It yields this rank's batches of the :class:`~lightning_recover.evaluation.EvaluationPlan`
+through a DataLoader built from the user's (same dataset, collate_fn, workers, pinning),
+then every live rank agrees that its share is done. If the agreement fails, a replica
+died during the evaluation: the world is repaired (the engine accounts it like any
+repair), every sample the lost replica answered for is re-split over the survivors, and
+the loop goes on with those batches, so metrics cover every sample exactly once.
+
+Limit, documented in the README: Lightning fetches one batch ahead, so the agreement runs
+when a rank has *fetched* its last batch; a replica lost while computing that last batch,
+or in the epoch-end metric sync, takes its share of the metrics with it (the strategy
+prints a warning naming the replica then).
+
+It has no ``__len__`` on purpose: Lightning stops an evaluation loop after ``len`` batches,
+which would cut off the batches taken over from a lost replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+from torch.utils.data import DataLoader
+
+from lightning_recover.evaluation import Batches, EvaluationPlan
+from lightning_recover.recovery.interface import RepairResult
+
+
+class EvaluationLoader:
+    """One evaluation loop's data for this rank; see the module docstring."""
+
+    def __init__(
+        self,
+        dataloader: DataLoader,
+        comm: Any,
+        shards: int,
+        repaired: Callable[[RepairResult], None],
+        waiting: Callable[[], AbstractContextManager[None]],
+    ) -> None:
+        self.dataloader = dataloader
+        self.comm = comm
+        self.shards = shards
+        self.repaired = repaired
+        self.waiting = waiting
+        self.dataset = dataloader.dataset
+        self.batch_size = int(dataloader.batch_size or 1)
+        #: The plan of the latest (or current) pass, for tests and for the warning after a late loss.
+        self.plan: EvaluationPlan | None = None
+
+    def _loader(self, batches: Batches) -> DataLoader:
+        dl = self.dataloader
+        return DataLoader(
+            self.dataset,
+            batch_sampler=batches,
+            num_workers=dl.num_workers,
+            collate_fn=dl.collate_fn,
+            pin_memory=dl.pin_memory,
+            timeout=dl.timeout,
+            worker_init_fn=dl.worker_init_fn,
+            multiprocessing_context=dl.multiprocessing_context,
+            prefetch_factor=dl.prefetch_factor if dl.num_workers > 0 else None,
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        comm = self.comm
+        self.plan = plan = EvaluationPlan(len(self.dataset), comm.alive_replicas, self.shards, self.batch_size)  # type: ignore[arg-type]
+        while True:
+            batches = plan.batches(comm.replica, comm.shard)
+            if batches:
+                yield from self._loader(batches)
+            with self.waiting():
+                done = comm.agree(True)
+            if done:
+                return
+            with self.waiting():
+                res = comm.repair()
+            self.repaired(res)
+            plan.lose(res.lost_replicas, comm.alive_replicas)
