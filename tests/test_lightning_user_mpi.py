@@ -125,8 +125,9 @@ def test_a_faulted_run_logs_the_fault_free_numbers(jobs: dict[str, MPIJob]) -> N
         a, b = column(ref, key), column(faulted, key)
         assert [s for s, _ in a] == [s for s, _ in b], key
         assert [v for _, v in b] == pytest.approx([v for _, v in a], rel=1e-5, abs=1e-6), key
+    expected = jobs["fault_free"].results()[0]["validate"][0]
     for r in jobs["leader_killed"].results().values():
-        assert r["validate"] == pytest.approx(jobs["fault_free"].results()[0]["validate"], rel=1e-5)
+        assert r["validate"][0] == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", list(JOBS))

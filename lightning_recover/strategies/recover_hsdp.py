@@ -641,6 +641,10 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         total = self.engine.run_collective(_do)
         if op in ("mean", "avg"):
             total = total / self.world_size
+            if not torch.is_floating_point(tensor):
+                # Ranks evaluate unequal sample counts (no padding): a mean count is fractional,
+                # and Lightning divides the summed values by it.
+                return total.to(tensor.device, torch.get_default_dtype())
         return total.to(tensor.device, tensor.dtype)
 
     @override
