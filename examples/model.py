@@ -60,9 +60,10 @@ class Block(nn.Module):
 class GPT(L.LightningModule):
     """Decoder-only transformer; ``training_step`` returns the mean token loss of its microbatch."""
 
-    def __init__(self, cfg: GPTConfig | None = None, **overrides: object) -> None:
+    def __init__(self, cfg: GPTConfig | dict[str, object] | None = None, **overrides: object) -> None:
         super().__init__()
-        cfg = cfg or GPTConfig()
+        # load_from_checkpoint passes the saved hyper-parameters back: cfg as a dict.
+        cfg = GPTConfig(**cfg) if isinstance(cfg, dict) else (cfg or GPTConfig())
         for k, v in overrides.items():
             setattr(cfg, k, v)
         self.cfg = cfg

@@ -189,8 +189,8 @@ def validate(cfg: DictConfig, world_size: int | None = None) -> RecoverConfig:
     if recover.checkpoint.enabled:
         check_writable_dir("recover.checkpoint.dir", str(recover.checkpoint.dir))
     ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path is not None and str(ckpt_path) != "last" and not Path(str(ckpt_path)).is_dir():
-        raise ConfigurationError(f"ckpt_path={str(ckpt_path)!r} is not a checkpoint directory; use ckpt_path=last or a step-N directory")
+    if ckpt_path is not None and str(ckpt_path) != "last" and not Path(str(ckpt_path)).is_file():
+        raise ConfigurationError(f"ckpt_path={str(ckpt_path)!r} is not a checkpoint file; use ckpt_path=last or a step-N.ckpt file")
 
     max_steps = cfg.trainer.get("max_steps", -1)
     if isinstance(max_steps, bool) or not isinstance(max_steps, int) or not (max_steps == -1 or max_steps >= 1):

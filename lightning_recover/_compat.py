@@ -43,6 +43,12 @@ TORCH_APIS: dict[str, str] = {
     "torch.distributed.tensor.DTensor.device_mesh": "2.5",
     # TCPStore(port=0, wait_for_workers=False) and its .port: the replica-local group's store.
     "torch.distributed.TCPStore": "2.0",
+    # Checkpoints (strategies/checkpoint_io.py, recover_hsdp.py): the FSDP2-aware state-dict helpers.
+    "torch.distributed.checkpoint.state_dict.StateDictOptions": "2.2",
+    "torch.distributed.checkpoint.state_dict.get_model_state_dict": "2.2",
+    "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict": "2.2",
+    "torch.distributed.checkpoint.state_dict.set_model_state_dict": "2.2",
+    "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict": "2.2",
 }
 
 

@@ -111,10 +111,21 @@ class CheckpointConfig:
             A directory with ``every_n_steps=0`` writes nothing but still names where to
             resume from. ``os.PathLike`` is accepted and stored as ``str``.
         every_n_steps: checkpoint period in committed steps; 0 = no checkpoints.
+        async_save: write every checkpoint (also a user's ModelCheckpoint's) in the
+            background: a save holds the step loop only while the shards are copied into
+            CPU memory (one more copy of the replica-local model and optimizer state per
+            rank while the write runs). False: the step loop waits for storage.
+        consolidate: make each checkpoint file a full Lightning checkpoint
+            (``Model.load_from_checkpoint(path)`` in a plain Python session). Costs one full
+            copy of the model's state in CPU memory on the leader's shard 0 while it is
+            written, in the background. False: the file holds everything but the weights,
+            which only the DCP directory next to it holds (resume still works).
     """
 
     dir: str | None = None
     every_n_steps: int = 0
+    async_save: bool = True
+    consolidate: bool = True
 
     def __post_init__(self) -> None:
         _set(self, "dir", _path("checkpoint.dir", self.dir, "set recover.checkpoint.dir to a directory, or null for none"))
@@ -125,6 +136,10 @@ class CheckpointConfig:
             "set recover.checkpoint.every_n_steps to a step period, or 0 for no checkpoints",
         )
         _set(self, "every_n_steps", every)
+        for key in ("async_save", "consolidate"):
+            value = getattr(self, key)
+            if not isinstance(value, bool):
+                raise _refuse(f"checkpoint.{key}", value, "true or false", f"set recover.checkpoint.{key} to true or false")
         if every > 0 and self.dir is None:
             raise ConfigurationError(
                 f"recover.checkpoint.every_n_steps={every} > 0 needs recover.checkpoint.dir; "
@@ -245,11 +260,14 @@ class RecoverConfig:
         *,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every_n_steps: int = 0,
+        checkpoint_async_save: bool = True,
+        checkpoint_consolidate: bool = True,
         **settings: Any,
     ) -> RecoverConfig:
         """Build from ReCoVerHSDPStrategy's flat keyword arguments.
 
-        ``checkpoint_dir``/``checkpoint_every_n_steps`` become :attr:`checkpoint`. Unlike the
+        ``checkpoint_dir``/``checkpoint_every_n_steps``/``checkpoint_async_save``/
+        ``checkpoint_consolidate`` become :attr:`checkpoint`. Unlike the
         Hydra group, where a directory with period 0 only names where to resume from, a
         ``checkpoint_dir`` argument asks for checkpoints, so it needs a period >= 1.
         """
@@ -263,7 +281,10 @@ class RecoverConfig:
                     "set recover.checkpoint.every_n_steps"
                 )
         # CheckpointConfig stores an os.PathLike dir as str (its annotation is OmegaConf's).
-        checkpoint = CheckpointConfig(dir=checkpoint_dir, every_n_steps=checkpoint_every_n_steps)  # type: ignore[arg-type]
+        checkpoint = CheckpointConfig(
+            dir=checkpoint_dir, every_n_steps=checkpoint_every_n_steps,  # type: ignore[arg-type]
+            async_save=checkpoint_async_save, consolidate=checkpoint_consolidate,
+        )
         return cls(**settings, checkpoint=checkpoint)
 
     # ------------------------------------------------------------------ the job's size

@@ -103,3 +103,13 @@ def test_checkpoint_restart_job_dies_once_and_resumes_from_the_newest_checkpoint
     assert lines[2]["loss"] == pytest.approx(lines[3]["loss"], abs=1e-6)
     starts = goodput.read_jsonl(tmp_path / "starts.jsonl")
     assert [s["step"] for s in starts] == [0, 2]
+
+
+def test_checkpoint_save_benchmark_prints_the_async_sync_ratio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import checkpoint_save
+
+    ratio = checkpoint_save.main(["--width", "64", "--layers", "2", "--steps", "4", "--every", "2", "--dir", str(tmp_path)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split(":")[0].strip() for line in lines[1:3]] == ["sync", "async"]
+    assert lines[-1] == f"async/sync blocking time: {ratio:.2f}x" and ratio > 0
+    assert not list(tmp_path.iterdir()), "the benchmark cleans up what it wrote"

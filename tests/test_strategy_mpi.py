@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_recover.callbacks import resolve_ckpt_path
 from lightning_recover.ledger import check_ledger, read_ledger
 from mpirun import MPIJob, run_mpi
 
@@ -217,9 +218,10 @@ def test_leader_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole(
     faults = [{"step": 4, "rank": 0, "phase": "checkpoint", "kind": "kill"}]
     first = run_mpi(4, [WORKER, *common, "--min-replicas", "4", "--faults", json.dumps(faults)], tmp_path, timeout=240)
     assert "kill rank 0 at step 4 checkpoint" in first.stderr and "fewer than min_replicas=4" in first.stderr, first.describe()
-    assert (ckpt / "step-00000004.tmp" / "shard0.pt.part").exists(), "the write should have been cut off mid-way"
-    assert (ckpt / "last").read_text().strip() == "step-00000002"
-    whole = torch.load(ckpt / "step-00000002" / "shard0.pt", weights_only=False)
+    assert list((ckpt / ".dcp").glob("step-00000004.ckpt-*.tmp")), "the write should have been cut off mid-way"
+    assert not (ckpt / "step-00000004.ckpt").exists()
+    assert resolve_ckpt_path("last", ckpt) == str(ckpt / "step-00000002.ckpt")
+    whole = torch.load(ckpt / "last.ckpt", weights_only=False)
     assert whole["lightning_recover"]["step"] == 2
     # Resume from it on 3 replicas: same trajectory as a fault-free single process.
     second = run_mpi(3, [WORKER, *common, "--resume"], tmp_path, timeout=240)
@@ -231,30 +233,58 @@ def test_leader_killed_while_writing_a_checkpoint_leaves_the_previous_one_whole(
     assert [line["loss"] for line in ledger] == pytest.approx(ref_losses, rel=1e-4)
     for p in survivor_params(second).values():
         assert_params_close(p, ref_params, rtol=1e-4, atol=1e-4)
-    assert not list(ckpt.glob("*.tmp")), "the next checkpoint clears the dead writer's leftover"
+    assert not list((ckpt / ".dcp").glob("*.tmp")), "the next checkpoint clears the dead writer's leftover"
 
 
-def test_sharded_checkpoint_resumes_on_one_replica(tmp_path: Path) -> None:
+def test_sharded_checkpoint_resumes_resharded_and_model_checkpoint_files_load_in_a_plain_process(tmp_path: Path) -> None:
+    """2x2 writes (DCP, each shard rank its slice), 1x4 resumes (DCP reshards 2 -> 4) on the same trajectory;
+    a user's ModelCheckpoint(monitor, save_top_k=2, save_last=True) keeps the right files, and its reported
+    best/last paths load with Model.load_from_checkpoint in a plain Python process (no MPI)."""
+    import subprocess
+    import sys
+
     from reference import reference_run
 
-    ckpt = tmp_path / "ckpt"
-    common = ["--shards", "2", "--steps", "6", "--ckpt-dir", str(ckpt), "--ckpt-every", "2"]
+    ckpt, best = tmp_path / "ckpt", tmp_path / "best"
+    common = ["--steps", "6", "--ckpt-dir", str(ckpt), "--ckpt-every", "2"]
     faults = [{"step": 3, "rank": 3, "phase": "backward", "kind": "kill"}]
-    first = run_mpi(4, [WORKER, *common, "--min-replicas", "2", "--faults", json.dumps(faults)], tmp_path, timeout=240)
+    first = run_mpi(4, [WORKER, "--shards", "2", *common, "--min-replicas", "2", "--faults", json.dumps(faults)], tmp_path, timeout=240)
     assert "fewer than min_replicas=2" in first.stderr, first.describe()
-    assert (ckpt / "last").read_text().strip() == "step-00000002"
-    shards = [torch.load(ckpt / "step-00000002" / f"shard{s}.pt", weights_only=False)["state_dict"] for s in (0, 1)]
-    name = next(k for k, v in shards[0].items() if v.dim() == 2)
-    assert not torch.equal(shards[0][name], shards[1][name]), "each shard rank writes its own slice"
-    second = run_mpi(2, [WORKER, *common, "--resume"], tmp_path, timeout=240)
+    assert resolve_ckpt_path("last", ckpt) == str(ckpt / "step-00000002.ckpt")
+    (shards,) = [d for d in (ckpt / ".dcp").iterdir() if d.name.startswith("step-00000002.ckpt-")]
+    assert sorted(p.name for p in shards.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"], "each shard rank writes its slice"
+    # Resume on one replica of 4 shard ranks, 1 sample each: the same 4-sample microbatches.
+    resharded = ["--shards", "4", "--mbs", "1", *common, "--best-dir", str(best), "--resume"]
+    second = run_mpi(4, [WORKER, *resharded], tmp_path, timeout=240)
     assert "resuming at step 2 on 1 replica(s)" in second.stderr, second.describe()
     ledger = read_ledger(tmp_path / "ledger.jsonl")
     assert [line["step"] for line in ledger] == list(range(6))
     assert all(line["B"] == 4 and line["committed"] == 4 for line in ledger)
-    ref_losses, ref_params = reference_run(common[:4], 2)
+    ref_losses, ref_params = reference_run(["--shards", "2", *common], 2)
     assert [line["loss"] for line in ledger] == pytest.approx(ref_losses, rel=1e-4)
-    for p in survivor_params(second).values():
+    finals = survivor_params(second)
+    for p in finals.values():
         assert_params_close(p, ref_params, rtol=1e-4, atol=1e-4)
+    # ModelCheckpoint's report, as rank 0 saw it: the two best files on disk, the best named by it.
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    kept = report["best_k_models"]
+    assert len(kept) == 2 and report["best_model_path"] == min(kept, key=kept.get), report
+    assert sorted(p.name for p in best.glob("*.ckpt")) == sorted([*(Path(k).name for k in kept), "last.ckpt"])
+    assert report["last_model_path"] == str(best / "last.ckpt")
+    out = tmp_path / "loaded.pt"
+    code = (
+        "import sys, torch; sys.path.insert(0, 'examples'); from model import GPT; "
+        "load = lambda p: {k: v.clone() for k, v in GPT.load_from_checkpoint(p).state_dict().items()}; "
+        f"torch.save({{'best': load({report['best_model_path']!r}), 'last': load({report['last_model_path']!r})}}, {str(out)!r}); "
+        "import torch.distributed as d; assert not d.is_initialized() and 'mpi4py' not in sys.modules"
+    )
+    plain = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 0, plain.stderr
+    loaded = torch.load(out)
+    assert_params_close({k: v for k, v in loaded["last"].items() if k in ref_params}, finals[0], rtol=0, atol=0)
+    best_step = int(Path(report["best_model_path"]).stem.split("-")[1])
+    _, best_ref = reference_run(["--shards", "2", *common[2:], "--steps", str(best_step)], 2)
+    assert_params_close({k: v for k, v in loaded["best"].items() if k in best_ref}, best_ref, rtol=1e-4, atol=1e-4)
 
 
 def test_every_replica_dead_fails_the_job_with_a_clear_message(tmp_path: Path) -> None:
@@ -275,8 +305,8 @@ def test_checkpoint_fallback_and_resume_on_fewer_replicas(tmp_path: Path) -> Non
     # Below min_replicas the job stops with a clear message instead of limping on.
     assert "fewer than min_replicas=3" in first.stderr, first.describe()
     assert "every rank of the job failed" not in first.stderr, "a deliberate stop is not a total loss"
-    assert (ckpt / "last").read_text().strip() == "step-00000004"
-    assert not list(ckpt.glob("*.tmp")), "no half-written checkpoint may be left in place"
+    assert resolve_ckpt_path("last", ckpt) == str(ckpt / "step-00000004.ckpt")
+    assert not list((ckpt / ".dcp").glob("*.tmp")), "no half-written checkpoint may be left in place"
     # Relaunch on 2 replicas (the checkpoint had 3): B and the sample order come from the checkpoint.
     second = run_mpi(2, [WORKER, *common, "--resume"], tmp_path, timeout=240)
     assert "resuming at step 4 on 2 replica(s)" in second.stderr, second.describe()

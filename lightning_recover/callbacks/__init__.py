@@ -13,7 +13,7 @@ default instances before Lightning's setup hooks run; pass configured ones in
 from lightning_recover.callbacks.base import RecoveryCallback
 from lightning_recover.callbacks.boundary import BoundaryScheduler
 from lightning_recover.callbacks.buffer_sync import BufferSync, broadcast_buffers
-from lightning_recover.callbacks.checkpoint import ReplicaCheckpoint, last_checkpoint, resolve_ckpt_path
+from lightning_recover.callbacks.checkpoint import fallback_checkpoint, last_checkpoint, resolve_ckpt_path
 from lightning_recover.callbacks.epoch_check import EpochCheck, StaleBucketError
 from lightning_recover.callbacks.fault_injection import FaultInjection, FaultSpec
 from lightning_recover.callbacks.reduction_buffers import ReductionBuffers
@@ -26,9 +26,9 @@ __all__ = [
     "FaultSpec",
     "RecoveryCallback",
     "ReductionBuffers",
-    "ReplicaCheckpoint",
     "StaleBucketError",
     "broadcast_buffers",
+    "fallback_checkpoint",
     "last_checkpoint",
     "resolve_ckpt_path",
 ]

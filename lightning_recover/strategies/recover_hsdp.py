@@ -47,7 +47,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_recover import lifecycle
-from lightning_recover.callbacks import BoundaryScheduler, BufferSync, EpochCheck, ReductionBuffers, ReplicaCheckpoint
+from lightning_recover.callbacks import BoundaryScheduler, BufferSync, EpochCheck, ReductionBuffers, fallback_checkpoint
+from lightning_recover.callbacks.checkpoint import is_fallback
 from lightning_recover.communicator import FaultTolerantComm
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.data import MicrobatchSource, StepTicket, TicketLoader
@@ -65,11 +66,9 @@ from lightning_recover.strategies.replica_group import init_replica_group, is_co
 from lightning_recover.strategies.step_logs import StepLogs
 from lightning_recover.strategies.sharding import (
     is_sharded,
-    load_local_optimizer_state,
     local,
     replica_mesh,
     shard_model,
-    to_local_tree,
 )
 from lightning_recover.topology import RankLayout
 from lightning_recover.watchdog import HangWatchdog, default_hang_timeout
@@ -124,12 +123,13 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     Pass ``config=RecoverConfig(...)`` or its fields as keywords (``shards``,
     ``grad_accum``, ``target_replicas``, ``policy``, ``min_replicas``, ``bucket_mb``,
     ``ledger_path``, ``seed``, ``timeout_s``, ``hang_timeout_s``, ``stuck_timeout_s``, and
-    ``checkpoint_dir`` / ``checkpoint_every_n_steps`` for ``checkpoint``); every setting is
+    ``checkpoint_dir`` / ``checkpoint_every_n_steps`` / ``checkpoint_async_save`` / ``checkpoint_consolidate`` for ``checkpoint``); every setting is
     documented and validated in :class:`lightning_recover.config.RecoverConfig`.
 
     Checkpoints resume with ``trainer.fit(..., ckpt_path=resolve_ckpt_path("last", dir))``,
     also on a different number of replicas: B, G_init, T and the sample order come from
-    the checkpoint, not from these settings. The shard count must stay the same.
+    the checkpoint, not from these settings, and on a different shard count (DCP reshards;
+    keep ``batch_size * shards`` of the train DataLoader, the samples of one microbatch).
     """
 
     strategy_name = "recover_hsdp"
@@ -306,8 +306,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             if not any(isinstance(c, cls) for c in trainer.callbacks):
                 trainer.callbacks.append(cls())
         ckpt = self.config.checkpoint
-        if ckpt.enabled and not any(isinstance(c, ReplicaCheckpoint) for c in trainer.callbacks):
-            trainer.callbacks.append(ReplicaCheckpoint(ckpt.dir, ckpt.every_n_steps))
+        if ckpt.enabled and not any(is_fallback(c, ckpt.dir) for c in trainer.callbacks):  # type: ignore[arg-type]
+            trainer.callbacks.append(fallback_checkpoint(ckpt.dir, ckpt.every_n_steps))  # type: ignore[arg-type]
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -675,32 +675,34 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state as DTensor shards (references; ``save_checkpoint`` stages the copy)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
         assert self.model is not None
-        return {k: local(v).detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        return get_model_state_dict(self.model)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         assert self.model is not None
-        saved = checkpoint["state_dict"]
-        own = self.model.state_dict()
-        missing = sorted(set(own) - set(saved))
-        if strict and missing:
-            raise KeyError(f"checkpoint lacks {missing[:5]}; was it written for another model?")
-        with torch.no_grad():
-            for k, v in own.items():
-                if k in saved:
-                    local(v).copy_(saved[k])
+        set_model_state_dict(self.model, dict(checkpoint["state_dict"]), options=StateDictOptions(strict=strict))
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        assert self.model is not None
         # LightningOptimizer wraps the torch optimizer in `_optimizer` (no public accessor).
-        opt = getattr(optimizer, "_optimizer", optimizer)
-        return to_local_tree(opt.state_dict())
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        assert self.model is not None
         for opt, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            load_local_optimizer_state(opt, state)
+            set_optimizer_state_dict(self.model, opt, state)
 
     def _recover_state(self) -> dict[str, Any]:
         assert self.policy is not None and self.data is not None and self.comm is not None
@@ -712,29 +714,68 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             "rng": {"torch": torch.get_rng_state()},
         }
 
+    _writer: checkpoint_io.CheckpointWriter | None = None
+
+    @property
+    def checkpoint_writer(self) -> checkpoint_io.CheckpointWriter:
+        """This rank's DCP writer (see :mod:`~lightning_recover.strategies.checkpoint_io`); ``last_blocking_s`` says
+        how long the last save held the step loop."""
+        if self._writer is None:
+            assert self.comm is not None and self.probes is not None
+            probes, ckpt = self.probes, self.config.checkpoint
+            self._writer = checkpoint_io.CheckpointWriter(
+                self.comm.shard, self.config.shards, async_save=ckpt.async_save, consolidate=ckpt.consolidate,
+                pointer_dir=ckpt.dir, fault_point=lambda step: probes.fault_point("checkpoint", step=step),
+            )
+        return self._writer
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Only the leader replica writes (see :mod:`~lightning_recover.strategies.checkpoint_io`)."""
-        assert self.comm is not None and self.probes is not None
+        """Only the leader replica writes; in the background unless ``recover.checkpoint.async_save=false``."""
+        assert self.comm is not None
         if self.comm.alive_replicas[0] != self.replica:
             return
+        if storage_options is not None:
+            raise TypeError(f"ReCoVerHSDPStrategy.save_checkpoint takes no storage_options (got {storage_options!r}); pass None")
         state = checkpoint[checkpoint_io.STATE_KEY] = self._recover_state()
-        probes = self.probes
-        checkpoint_io.write_replica_checkpoint(
-            checkpoint, filepath, self.comm.shard, self._replica_barrier,
-            before_rename=lambda: probes.fault_point("checkpoint", step=state["step"]),
-        )
+        with self.replica_guard("checkpoint save"):
+            self.checkpoint_writer.save(checkpoint, filepath, step=int(state["step"]))
 
-    def _replica_barrier(self, where: str) -> None:
-        if self.config.shards > 1:
-            with self.replica_guard(where):
-                dist.barrier()
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """ModelCheckpoint's top-k removal: the file and its DCP directory, once a pending save is published."""
+        if self.global_rank == 0:
+            with self.replica_guard("checkpoint removal"):
+                self.checkpoint_writer.remove(filepath)
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until this rank's background checkpoint write (if any) is published."""
+        if self._writer is not None:
+            with self.replica_guard("checkpoint write"):
+                self._writer.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        assert self.comm is not None
-        checkpoint = checkpoint_io.read_replica_checkpoint(checkpoint_path, self.comm.shard, self.config.shards)
-        self._adopt(checkpoint[checkpoint_io.STATE_KEY])
+        """Lightning's keys from the file, model (and, when fitting, optimizer) state from its DCP directory,
+        resharded to this run's shard count."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        assert self.model is not None
+        self.wait_for_checkpoint()
+        checkpoint, dcp_dir = checkpoint_io.read_checkpoint(checkpoint_path)
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        fitting = trainer.state.fn == TrainerFn.FITTING and bool(self.optimizers)
+        if fitting and checkpoint[checkpoint_io.STATE_KEY].get("optimizers", 0) < len(self.optimizers):
+            fitting = False  # a weights-only checkpoint: Lightning itself refuses to resume training from it
+        model_state = get_model_state_dict(self.model)
+        optimizer_states = [get_optimizer_state_dict(self.model, opt) for opt in self.optimizers] if fitting else []
+        with self.replica_guard("checkpoint load"):
+            checkpoint_io.load_into(dcp_dir, model_state, optimizer_states)
+        checkpoint["state_dict"] = model_state
+        if fitting:
+            checkpoint["optimizer_states"] = optimizer_states
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._adopt(checkpoint[checkpoint_io.STATE_KEY])
         return checkpoint
 
     def _adopt(self, state: dict[str, Any]) -> None:
@@ -766,6 +807,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
+        self.wait_for_checkpoint()  # before the process groups it writes with can go
         if self.ledger is not None:
             self.ledger.close()
         super().teardown()

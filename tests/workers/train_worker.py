@@ -51,6 +51,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ckpt-every", type=int, default=0)
     ap.add_argument("--min-replicas", type=int, default=1)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--best-dir", default=None, help="also ModelCheckpoint(monitor=loss_synced, save_top_k=2, save_last=True) there")
     ap.add_argument("--unseeded", action="store_true", help="init weights differently on every rank")
     ap.add_argument("--alerts", action="store_true", help="record every recovery hook call in alerts{RANK}.jsonl")
     ap.add_argument("--pause", default=None, metavar="RANK:SECONDS", help="that rank sleeps after step 0 (slow, not stuck)")
@@ -107,6 +108,12 @@ def main() -> None:
         return loss
 
     model.training_step = counting_step  # type: ignore[method-assign]
+    user_ckpt = []
+    if args.best_dir:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        user_ckpt = [ModelCheckpoint(dirpath=args.best_dir, filename="best-{step:02d}", monitor="loss_synced", mode="min",
+                                     save_top_k=2, every_n_train_steps=1, save_last=True, auto_insert_metric_name=False)]
     strategy = ReCoVerHSDPStrategy(
         shards=args.shards, grad_accum=args.grad_accum, target_replicas=args.target, policy=args.policy,
         ledger_path=out / "ledger.jsonl", seed=args.seed, bucket_mb=0.01, min_replicas=args.min_replicas,
@@ -115,8 +122,8 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,
         callbacks=[FaultInjection(json.loads(args.faults))] + ([PauseAfterFirstStep(args.pause)] if args.pause else [])
-        + ([LostReplicaAlert(out)] if args.alerts else []), logger=LeaderCSVLogger(out, name="logs"),
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        + ([LostReplicaAlert(out)] if args.alerts else []) + user_ckpt, logger=LeaderCSVLogger(out, name="logs"),
+        enable_checkpointing=bool(user_ckpt), enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=1.0, num_sanity_val_steps=0, log_every_n_steps=1,
     )
     ckpt = resolve_ckpt_path("last", args.ckpt_dir) if args.resume else None
@@ -136,6 +143,10 @@ def main() -> None:
         "global_step": trainer.global_step, "leader": strategy.global_rank == 0, "last": strategy.last_record,
         "samples_seen": float(model.samples_seen.compute()),
     }
+    if user_ckpt:
+        cb = user_ckpt[0]
+        result["best_model_path"], result["last_model_path"] = cb.best_model_path, cb.last_model_path
+        result["best_k_models"] = {k: float(v) for k, v in cb.best_k_models.items()}
     (out / f"rank{comm.rank}.json").write_text(json.dumps(result))
     strategy.shutdown(exit_code=0)
 
