@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -140,3 +141,40 @@ def test_every_rank_ends_with_the_same_buffers_and_parameters(jobs: dict[str, MP
             assert r["params"] == first["params"]
     if name == "batchnorm_2x2":
         assert "net.1.running_mean" in first["buffers"] and first["buffers"]["net.1.num_batches_tracked"][0] > 0
+
+
+LOAD_BEST = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[2])
+from classifier import BlobData, Classifier
+model = Classifier.load_from_checkpoint(sys.argv[1], map_location="cpu")
+model.eval()
+data = BlobData()
+data.setup("test")
+x, y = data.sets["test"].x, data.sets["test"].y
+with torch.no_grad():
+    logits = model(x)
+print(json.dumps({"batchnorm": model.hparams.batchnorm, "mpi": "mpi4py.MPI" in sys.modules,
+                  "test_loss": float(torch.nn.functional.cross_entropy(logits, y)),
+                  "test_acc": float((logits.argmax(-1) == y).float().mean())}))
+"""
+
+
+@pytest.mark.parametrize("name", ["fault_free", "batchnorm_2x2"])
+def test_best_checkpoint_loads_in_a_plain_process_and_is_what_test_evaluated(jobs: dict[str, MPIJob], name: str) -> None:
+    results = jobs[name].results()
+    best = {r["best_model_path"] for r in results.values()}
+    assert len(best) == 1 and best != {""}, best
+    path = best.pop()
+    assert Path(path).is_file() and Path(path).parent == jobs[name].outdir / "ckpt"
+    res = subprocess.run(
+        [sys.executable, "-c", LOAD_BEST, path, str(Path(__file__).resolve().parent / "workers")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    loaded = json.loads(res.stdout.strip().splitlines()[-1])
+    assert loaded["batchnorm"] == (name == "batchnorm_2x2") and not loaded["mpi"]
+    # trainer.test(ckpt_path="best") evaluated exactly this model, over every test sample once.
+    tested = results[min(results)]["test"][0]
+    assert tested["test_loss"] == pytest.approx(loaded["test_loss"], rel=1e-5)
+    assert tested["test_acc"] == pytest.approx(loaded["test_acc"], abs=1e-7)

@@ -2,7 +2,7 @@
 
 LightningDataModule, validation twice an epoch, torchmetrics accuracy, ModelCheckpoint on
 ``val_acc``, an LR scheduler, EarlyStopping, the stock CSVLogger; then ``trainer.validate()``,
-``trainer.test()``, ``trainer.predict()``. Options: ``--batchnorm`` (BatchNorm + dropout),
+``trainer.test(ckpt_path="best")``, ``trainer.predict()``. Options: ``--batchnorm`` (BatchNorm + dropout),
 ``--faults`` (a FaultInjection schedule: training, validation or test phases), ``--shards``.
 
 Every sample carries its index, so the job can show what was evaluated: ``*_count`` values
@@ -10,7 +10,7 @@ are logged with ``reduce_fx="sum", sync_dist=True`` (the number of samples the s
 epoch covered, over every rank) and ``train_loss`` / ``val_loss`` with the default mean.
 Each rank that reaches the end writes ``rank{R}.json`` into $LR_TEST_OUT: what validate /
 test returned, the sample ids it predicted, its final parameters' and buffers' digests.
-With one shard, the final parameters and buffers of the last leader go to ``final.pt``.
+With one shard, the leader saves the weights validate() evaluated (the end of fit) to ``final.pt``.
 """
 
 from __future__ import annotations
@@ -142,7 +142,9 @@ def main() -> None:
     )
     trainer.fit(model, datamodule=data)
     validated = trainer.validate(model, datamodule=data, verbose=False)
-    tested = trainer.test(model, datamodule=data, verbose=False)
+    if strategy.global_rank == 0 and args.shards == 1:  # before test() loads the best checkpoint into the model
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / "final.pt")
+    tested = trainer.test(model, datamodule=data, ckpt_path="best", verbose=False)
     predicted = trainer.predict(model, datamodule=data)
     comm = strategy.comm
     assert comm is not None
@@ -154,8 +156,6 @@ def main() -> None:
         "best_model_path": checkpoint.best_model_path,
     }
     (out / f"rank{comm.rank}.json").write_text(json.dumps(result))
-    if strategy.global_rank == 0 and args.shards == 1:
-        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, out / "final.pt")
 
 
 if __name__ == "__main__":
