@@ -16,8 +16,9 @@ the workers load them while the model computes.
   so a wrong microbatch is never delivered;
 * otherwise it is fetched directly (a boundary step's replayed ids, a re-planned step).
   Streamed microbatches no step will ask for any more (an earlier step's, or passed over)
-  are dropped, never delivered; the sampler re-plans every step that has not begun from the
-  live replicas it sees, so after a failure the stream is in step again from the next step.
+  are dropped, never delivered. When a failure changed the plan of a step the stream has
+  already planned, the stream restarts from the next step (keeping what the current step
+  still needs), so from the step after a failure every microbatch is streamed again.
 
 Randomness: each microbatch is loaded under ``torch`` seeded with its own
 :meth:`~lightning_recover.data.MicrobatchSource.seed_for` seed (in whichever process loads
