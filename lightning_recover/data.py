@@ -91,7 +91,3 @@ class MicrobatchSource:
     def load(self, step: int, offset: int) -> Delivered:
         """Load microbatch ``offset`` of ``step`` in this process, exactly as a loader worker would."""
         return self.keyed_collate(self.seeded.__getitems__(self.planned_indices(step, offset)))
-
-    def fetch(self, step: int, offset: int) -> Any:
-        """This shard's samples of step-local microbatch ``offset``, collated (on the CPU), loaded under its seed."""
-        return self.load(step, offset).batch
