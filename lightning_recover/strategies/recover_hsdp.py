@@ -52,8 +52,8 @@ from lightning_recover.callbacks import BoundaryScheduler, BufferSync, EpochChec
 from lightning_recover.communicator import FaultTolerantComm
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.data import MicrobatchSource, StepTicket, TicketLoader
-from lightning_recover.loading import EnginePlan, MicrobatchFeed
 from lightning_recover.ledger import LeaderLedger
+from lightning_recover.loading import EnginePlan, MicrobatchFeed
 from lightning_recover.loggers import LeaderLogs
 from lightning_recover.policy import WorkloadPolicy, make_policy
 from lightning_recover.recovery.engine import StepEngine
