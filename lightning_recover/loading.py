@@ -50,13 +50,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Delivered",
+    "EnginePlan",
     "FeedStats",
+    "KeyedCollate",
     "MicrobatchFeed",
     "PlanView",
     "PlannedBatchSampler",
     "PlannedIndices",
     "SeededDataset",
     "SteadyForecast",
+    "WorkerInit",
+    "stream_loader",
 ]
 
 #: (step, step-local offset): which microbatch of which optimizer step.
