@@ -3,11 +3,13 @@
 Lightning's train loop iterates a loader; under the recovery protocol one iteration is one
 *optimizer step*, and which samples a replica computes depends on the policy's plan and on
 failures inside the step. So the strategy swaps the user's train DataLoader for a
-:class:`TicketLoader` yielding one :class:`StepTicket` per step, and fetches each planned
-microbatch by its global id through :class:`MicrobatchSource`: the
+:class:`TicketLoader` yielding one :class:`StepTicket` per step, and identifies each
+planned microbatch by its global id through :class:`MicrobatchSource`: the
 :class:`~lightning_recover.planner.MicrobatchPlanner` maps (step, step-local id) to a
 global id, and the global id to this shard's samples and RNG seed. Any replica computing
-id m therefore gets the same samples and the same random numbers.
+id m therefore gets the same samples and the same random numbers. The microbatches are
+loaded through the user's DataLoader settings (workers, pinning) by
+:class:`~lightning_recover.loading.MicrobatchFeed`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from lightning_recover.config import ConfigurationError
+from lightning_recover.loading import Delivered, KeyedCollate, PlannedIndices, SeededDataset
 from lightning_recover.planner import MicrobatchPlanner
 
 
@@ -30,15 +33,22 @@ class StepTicket:
 
 
 class TicketLoader:
-    """Stands in for the train DataLoader: one ticket per optimizer step of a data epoch."""
+    """Stands in for the train DataLoader: one ticket per optimizer step of a data epoch.
 
-    def __init__(self, steps_per_epoch: int) -> None:
+    ``on_epoch`` runs when Lightning starts iterating an epoch (the feed starts loading
+    that epoch's microbatches ahead, see :class:`~lightning_recover.loading.MicrobatchFeed`).
+    """
+
+    def __init__(self, steps_per_epoch: int, on_epoch: Callable[[], None] | None = None) -> None:
         self.steps_per_epoch = steps_per_epoch
+        self.on_epoch = on_epoch
 
     def __len__(self) -> int:
         return self.steps_per_epoch
 
     def __iter__(self) -> Iterator[StepTicket]:
+        if self.on_epoch is not None:
+            self.on_epoch()
         return (StepTicket(i) for i in range(self.steps_per_epoch))
 
 
@@ -58,6 +68,9 @@ class MicrobatchSource:
             raise ConfigurationError("the train DataLoader needs a batch_size (the per-rank microbatch size)")
         self.dataset = dataset
         self.collate: Callable[[list[Any]], Any] = getattr(dataloader, "collate_fn", None) or torch.utils.data.default_collate
+        #: What loads a planned microbatch, here or in a loader worker (:mod:`lightning_recover.loading`).
+        self.seeded = SeededDataset(dataset)
+        self.keyed_collate = KeyedCollate(self.collate)
         self.shard = shard
         self.planner = MicrobatchPlanner(len(dataset), B, batch_size, shards=shards, seed=seed)
 
@@ -70,7 +83,11 @@ class MicrobatchSource:
         """The RNG seed of step-local microbatch ``offset`` on this shard (the same on every replica)."""
         return self.planner.rng_seed(self.planner.global_id(step, offset), self.shard)
 
-    def fetch(self, step: int, offset: int) -> Any:
-        """This shard's samples of step-local microbatch ``offset``, collated (on the CPU)."""
+    def planned_indices(self, step: int, offset: int) -> PlannedIndices:
+        """This shard's dataset indices of step-local microbatch ``offset``, tagged with its key and seed."""
         gid = self.planner.global_id(step, offset)
-        return self.collate([self.dataset[i] for i in self.planner.sample_indices(gid, self.shard)])
+        return PlannedIndices(self.planner.sample_indices(gid, self.shard), (step, offset), self.seed_for(step, offset))
+
+    def load(self, step: int, offset: int) -> Delivered:
+        """Load microbatch ``offset`` of ``step`` in this process, exactly as a loader worker would."""
+        return self.keyed_collate(self.seeded.__getitems__(self.planned_indices(step, offset)))

@@ -8,7 +8,8 @@ ULFM communicator. The protocol itself is the step engine's
 (:mod:`lightning_recover.recovery.engine`); this class only connects it to Lightning:
 
 1. ``process_dataloader`` swaps the train loader for step tickets; microbatches are
-   fetched by global id (:mod:`lightning_recover.data`).
+   identified by global id (:mod:`lightning_recover.data`) and loaded ahead by the user's
+   loader settings, the plan driving its batch sampler (:mod:`lightning_recover.loading`).
 2. ``training_step`` receives a ticket: the engine plans the step and the replica's first
    planned microbatch runs inside Lightning's closure (so ``self.log`` and the closure
    bookkeeping work as usual).
@@ -53,6 +54,7 @@ from lightning_recover.communicator import FaultTolerantComm
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.data import MicrobatchSource, StepTicket, TicketLoader
 from lightning_recover.ledger import LeaderLedger
+from lightning_recover.loading import EnginePlan, MicrobatchFeed
 from lightning_recover.loggers import LeaderLogs
 from lightning_recover.policy import WorkloadPolicy, make_policy
 from lightning_recover.recovery.engine import StepEngine
@@ -149,6 +151,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.policy: WorkloadPolicy | None = None
         self.engine: StepEngine | None = None
         self.data: MicrobatchSource | None = None
+        self.feed: MicrobatchFeed | None = None
         self.watchdog: HangWatchdog | None = None
         self.probes: StrategyProbes | None = None
         self.ledger: LeaderLedger | None = None
@@ -406,11 +409,22 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             return EvaluationLoader(dataloader, self.comm, self.config.shards, self.engine.repaired, self.probes.waiting)  # type: ignore[arg-type]
         if trainer is None or not trainer.training or isinstance(dataloader, TicketLoader):
             return dataloader
-        assert self.policy is not None and self.comm is not None
-        self.data = MicrobatchSource(dataloader, self.policy.B, self.config.shards, self.comm.shard, self.config.seed)
+        assert self.policy is not None and self.comm is not None and self.engine is not None
+        self.data = data = MicrobatchSource(dataloader, self.policy.B, self.config.shards, self.comm.shard, self.config.seed)
         if self._resume is not None:
-            self.data.planner.load_state_dict(self._resume["planner"])
-        return TicketLoader(self.data.steps_per_epoch())
+            data.planner.load_state_dict(self._resume["planner"])
+        if self.feed is not None:
+            self.feed.close()
+        # The user's loader settings (workers, pinning) load the planned microbatches ahead.
+        self.feed = feed = MicrobatchFeed(data, dataloader, EnginePlan(self.engine, lambda: data.planner.next_step))
+        steps, max_steps = data.steps_per_epoch(), trainer.max_steps
+
+        def start_epoch() -> None:
+            first = data.planner.next_step
+            end = first + steps if max_steps is None or max_steps < 0 else min(first + steps, max_steps)
+            feed.start_epoch(first, end)
+
+        return TicketLoader(steps, on_epoch=start_epoch)
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -451,8 +465,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._logging_offset = offset
         self.probes.fault_point("forward", step=st.step, microbatch=st.microbatches_run)
         self.probes.tick()
-        torch.manual_seed(self.data.seed_for(st.step, offset))
-        batch = self.batch_to_device(self.data.fetch(st.step, offset))
+        assert self.feed is not None
+        # Seeds torch for this microbatch (the same on every replica), however it was loaded.
+        batch = self.batch_to_device(self.feed.get(st.step, offset))
         with self.replica_guard("forward"), self._logging_as_batch(batch, first=st.microbatches_run == 0):
             out = super().training_step(batch, self._batch_idx)
         loss = out["loss"] if isinstance(out, Mapping) else out
@@ -808,6 +823,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         self.wait_for_checkpoint()  # before the process groups it writes with can go
+        if self.feed is not None:
+            self.feed.close()  # the train loader's workers end with the fit, as after stock Lightning's
         if self.ledger is not None:
             self.ledger.close()
         super().teardown()

@@ -55,6 +55,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--unseeded", action="store_true", help="init weights differently on every rank")
     ap.add_argument("--alerts", action="store_true", help="record every recovery hook call in alerts{RANK}.jsonl")
     ap.add_argument("--pause", default=None, metavar="RANK:SECONDS", help="that rank sleeps after step 0 (slow, not stuck)")
+    ap.add_argument("--num-workers", type=int, default=0, help="DataLoader(num_workers=...); loads are recorded under $LR_TEST_OUT/loads")
+    ap.add_argument("--persistent-workers", action="store_true", help="DataLoader(persistent_workers=True)")
     return ap.parse_args(argv)
 
 
@@ -88,6 +90,48 @@ class LostReplicaAlert(RecoveryCallback):
 
     def on_step_committed(self, trainer, pl_module, record):  # type: ignore[no-untyped-def]
         self._write({"committed": record["step"], "world_epoch": record["world_epoch"]})
+
+
+class RecordedLoads(torch.utils.data.Dataset):
+    """The user's dataset, leaving ``loads/PPID-PID`` the first time a process loads from it."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, out: Path) -> None:
+        self.dataset, self.out, self.seen = dataset, out, False
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
+        if not self.seen:  # once per process (a forked worker starts with its parent's False)
+            self.seen = True
+            (self.out / f"{os.getppid()}-{os.getpid()}").touch()
+        return self.dataset[i]
+
+
+class MarkWorker:
+    """worker_init_fn: leaves ``inits/PPID-PID-ID``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def __call__(self, worker_id: int) -> None:
+        (self.out / f"{os.getppid()}-{os.getpid()}-{worker_id}").touch()
+
+
+def dead_ranks_loaders(out: Path, alive: list[int], shards: int) -> list[int]:
+    """Loader workers of ranks outside the live replicas that are still running (not even zombies)."""
+    rank_pids = {int(f.name): int(f.read_text()) for f in (out / "rankpids").iterdir()}
+    dead = {pid for rank, pid in rank_pids.items() if rank // shards not in alive}
+    running = []
+    for f in (out / "inits").iterdir():
+        ppid, pid, _ = (int(x) for x in f.name.split("-"))
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if ppid in dead and state not in ("Z", "X"):
+            running.append(pid)
+    return running
 
 
 def main() -> None:
@@ -127,8 +171,18 @@ def main() -> None:
         gradient_clip_val=1.0, num_sanity_val_steps=0, log_every_n_steps=1,
     )
     ckpt = resolve_ckpt_path("last", args.ckpt_dir) if args.resume else None
+    loader = DataLoader(data, batch_size=args.mbs)
+    if args.num_workers:
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+        for sub in ("loads", "inits", "rankpids"):
+            (out / sub).mkdir(exist_ok=True)
+        (out / "rankpids" / rank).write_text(str(os.getpid()))
+        loader = DataLoader(
+            RecordedLoads(data, out / "loads"), batch_size=args.mbs, num_workers=args.num_workers,
+            persistent_workers=args.persistent_workers, worker_init_fn=MarkWorker(out / "inits"),
+        )
     try:
-        trainer.fit(model, DataLoader(data, batch_size=args.mbs), ckpt_path=ckpt)
+        trainer.fit(model, loader, ckpt_path=ckpt)
     except PolicyError as exc:
         print(f"train_worker: stopping: {exc}", file=sys.stderr, flush=True)
         strategy.shutdown(exit_code=3)
@@ -147,6 +201,10 @@ def main() -> None:
         cb = user_ckpt[0]
         result["best_model_path"], result["last_model_path"] = cb.best_model_path, cb.last_model_path
         result["best_k_models"] = {k: float(v) for k, v in cb.best_k_models.items()}
+    if args.num_workers:
+        assert strategy.feed is not None
+        result.update(pid=os.getpid(), feed=strategy.feed.stats._asdict(),
+                      dead_ranks_loaders=dead_ranks_loaders(out, list(comm.alive_replicas), args.shards))
     (out / f"rank{comm.rank}.json").write_text(json.dumps(result))
     strategy.shutdown(exit_code=0)
 
