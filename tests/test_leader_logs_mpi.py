@@ -1,9 +1,11 @@
-"""A leader SIGKILLed mid-run: Lightning's stock CSVLogger still holds every step's metrics.
+"""A leader SIGKILLed mid-run: Lightning's stock CSVLogger and TensorBoardLogger still hold every step's metrics.
 
 Launched 4x1 jobs (tests/workers/logs_worker.py, tiny GPT). What a user sees in
 ``logs/version_0/metrics.csv`` after the run: one training row per step 0..N-1 whose
 ``step_loss`` is the ledger's committed loss, a key first logged after the death merged into
-the header, and the old leader's rows kept. In-process cases: tests/test_loggers.py.
+the header, and the old leader's rows kept; and in ``tb/version_0/`` (the new leader's event
+file beside the old one's) a ``step_loss`` scalar for every step. In-process cases:
+tests/test_loggers.py.
 """
 
 from __future__ import annotations
@@ -87,3 +89,19 @@ def test_stock_csv_logger_holds_every_step_after_the_leader_dies(tmp_path: Path,
         if step + 1 < STEPS:  # that row was logged before the death was seen: from the survivors' journal
             assert faults[step] < faults[step + 1], faults
     assert sorted(p.name for p in log_dir.iterdir() if "tmp" in p.name) == []
+
+    # TensorBoard: every step's step_loss is in some event file of the one run directory (a
+    # new leader writes its own file there; a step may appear twice, never zero times).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    assert sorted(p.name for p in (tmp_path / "tb").iterdir()) == ["version_0"]
+    scalars: dict[int, set[float]] = {}
+    for events in sorted((tmp_path / "tb" / "version_0").glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        if "step_loss" in acc.Tags()["scalars"]:
+            for e in acc.Scalars("step_loss"):
+                scalars.setdefault(e.step, set()).add(e.value)
+    assert sorted(scalars) == list(range(STEPS)), f"TensorBoard has step_loss for steps {sorted(scalars)}\n{job.describe()}"
+    for s, values in scalars.items():
+        assert values == {torch.tensor(ledger[s], dtype=torch.float32).item()}, f"step {s}: {values}"

@@ -233,6 +233,7 @@ def test_pause_from_ledger(tmp_path: Path) -> None:
         pause_from_ledger(empty)
 
 
+@pytest.mark.plots
 def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ledger = _ledger(tmp_path / "ledger.jsonl", [([], 0.0), ([1], 0.08)])
     out, fig = tmp_path / "sim.json", tmp_path / "sim.png"

@@ -1,4 +1,4 @@
-"""Launched job for the leader-death logging test: tiny GPT, Lightning's stock CSVLogger.
+"""Launched job for the leader-death logging test: tiny GPT, Lightning's stock CSVLogger and TensorBoardLogger.
 
 Logs, besides the strategy's ``step_loss`` and the model's ``train_loss``, a metric
 ``late_metric`` (value: the step) only from ``--late-from`` on, so its key first reaches
@@ -20,7 +20,7 @@ import torch
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_recover.callbacks import FaultInjection  # noqa: E402
@@ -67,7 +67,7 @@ def main() -> None:
     strategy = ReCoVerHSDPStrategy(grad_accum=2, ledger_path=out / "ledger.jsonl", seed=7, bucket_mb=0.01)
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps,
-        callbacks=[FaultInjection(json.loads(args.faults)), *map(DieBeforeLogging, args.die_before_logging)], logger=CSVLogger(out, name="logs"),
+        callbacks=[FaultInjection(json.loads(args.faults)), *map(DieBeforeLogging, args.die_before_logging)], logger=[CSVLogger(out, name="logs"), TensorBoardLogger(out, name="tb")],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, log_every_n_steps=1,
     )
