@@ -1,4 +1,4 @@
-"""The ``lightning-recover`` command: launch fault-tolerant jobs and check their step ledgers.
+"""The ``lightning-recover`` command: launch fault-tolerant jobs, check their step ledgers, report their recovery metrics.
 
 The demo and the chaos campaign are tools of a source checkout (``examples/demo.py``,
 ``benchmarks/chaos.py``), not commands of the installed package.
@@ -57,9 +57,16 @@ def _check_ledger(argv: list[str]) -> int:
     return ledger_main(argv)
 
 
+def _report(argv: list[str]) -> int:
+    from lightning_recover.report import main as report_main
+
+    return report_main(argv)
+
+
 COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "launch": (_launch, "run a command on N ranks under mpiexec --with-ft ulfm"),
     "check-ledger": (_check_ledger, "verify a step ledger (exactly-once ids, constant B, loss vs a reference)"),
+    "report": (_report, "recovery metrics of a run from its ledger (MTTR, MTBF, replay ratio, joins, throughput)"),
 }
 
 #: Former commands that need the example model, so they live in the source checkout now;
