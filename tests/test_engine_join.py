@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from lightning_recover.callbacks import BoundaryScheduler, EpochCheck, ReductionBuffers
 from lightning_recover.ledger import LedgerWriter, check_ledger
@@ -425,25 +427,37 @@ def test_adaptive_batch_grows_back(tmp_path: Path) -> None:
     assert by_step(out, "joined") == [[], [], [1], []]
 
 
-def test_fake_spawn_refuses_a_live_or_unrepaired_replica() -> None:
-    world = FakeWorld(2, bucket_numel=BUCKET_NUMEL)
+# ---------------------------------------------------------------------- random schedules
+@st.composite
+def rejoin_scenarios(draw: Any) -> Scenario:
+    W = draw(st.integers(2, 4))
+    policy = draw(st.sampled_from(["static", "static", "adaptive"]))
+    T = None if policy == "adaptive" else draw(st.integers(1, W))
+    steps = draw(st.integers(2, 5))
+    crashes: list[tuple[int, int, int, int]] = []
+    spawns: list[Spawn] = []
+    # At most W - 1 replicas die at first, so one always carries on; each may come back.
+    for p in draw(st.lists(st.integers(0, W - 1), unique=True, min_size=1, max_size=W - 1)):
+        died = draw(st.integers(0, steps - 1))
+        crashes.append((p, 0, died, 1))  # every live replica computes at least one microbatch
+        if died + 1 < steps and draw(st.booleans()):
+            back = draw(st.integers(died, steps - 2))
+            when = "during" if back > died and draw(st.booleans()) else "after"
+            spawns.append(Spawn(p, back, when))
+            if back + 1 < steps and draw(st.booleans()):
+                crashes.append((p, 1, back + 1, 1))  # the joiner dies in its first step
+    return Scenario(
+        replicas=W, G=draw(st.integers(1, 2)), T=T, policy=policy, steps=steps, crashes=tuple(crashes),
+        spawns=tuple(spawns), between=draw(st.booleans()), join_as_spare=draw(st.booleans()),
+    )  # fmt: skip
 
-    def fn(comm: FakeComm) -> str:
-        if comm.rank == 0:
-            with pytest.raises(ValueError, match=r"spawn\(1\): replica 1 is alive"):
-                world.spawn(1, lambda c: None)
-        comm.agree(True)
-        if comm.rank == 1:
-            comm.die()
-        assert not comm.agree(True)  # rank 1 is dead, not yet repaired
-        with pytest.raises(ValueError, match=r"still a member of world epoch 0; repair the world first"):
-            world.spawn(1, lambda c: None)
-        comm.repair()
-        assert world.spawn(1, lambda c: c.join().joined) and not world.spawn(1, lambda c: None)
-        return comm.merge(wait_for=[1]).joined  # type: ignore[return-value]
 
-    results = world.run(fn)
-    assert results == {0: (1,), 1: (1,)}
-    assert [(d.rank, d.life) for d in world.deaths] == [(1, 0)] and world.comm(1).world_epoch == 2
-    with pytest.raises(RuntimeError, match="spawn\\(\\) outside run\\(\\)"):
-        world.spawn(1, lambda c: None)
+@settings(max_examples=30, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rejoin_scenarios())
+def test_random_failures_and_rejoins_keep_the_invariants(sc: Scenario) -> None:
+    out = simulate(sc)
+    check_run(out)
+    # Every replacement whose step came was admitted at the boundary after it.
+    for sp in sc.spawns:
+        assert sp.replica in out.record(sp.step + 1)["joined"], (sp, out.record(sp.step + 1))
+    assert out.final(), "no rank finished"
