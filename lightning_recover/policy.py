@@ -187,8 +187,9 @@ class CommitRecord:
 
     `faults` includes replicas found dead between the previous commit and this step's
     begin_step; `joined` the replicas admitted in that interval (a joiner that died before
-    the step began is in both). `extra_microbatches` counts the replayed ids the committing replicas hold
-    (the boundary step's B - C_cur); a replayer that died mid-replay is not counted.
+    the step began is in both). `extra_microbatches` counts the replayed ids the committing
+    replicas hold (the boundary step's B - C_cur); a replayer that died mid-replay is not
+    counted.
     """
 
     step: int
