@@ -4,6 +4,12 @@ The ledger is the evidence that recovery kept the optimisation exact: for Static
 committed step applied exactly the B microbatch ids it owns (t*B .. t*B+B-1), once each,
 whatever failed; with a fault-free reference ledger, the loss trajectories can be compared
 step by step. `lightning-recover check-ledger` is `main()` here. Pure Python, no torch.
+
+Hot re-join adds two optional fields (absent from older ledgers): ``joined``, the replicas
+admitted at the boundary before the step (from the policy), and ``joins``, one object per
+joined replica ``{"replica", "transfer_s", "pause_s"}`` with the seconds the state transfer
+took and the survivors' pause (null where not measured). The checker keeps its exactly-once
+checks for every step, joins or not, and checks the joins are consistent (see JOIN_FIELDS).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "JOIN_FIELDS",
     "LEDGER_FIELDS",
     "LedgerFormatError",
     "LedgerVerdict",
@@ -30,6 +37,9 @@ __all__ = [
     "main",
     "read_ledger",
 ]
+
+#: Optional per-line fields of hot re-join (see the module docstring).
+JOIN_FIELDS: tuple[str, ...] = ("joined", "joins")
 
 LEDGER_FIELDS: tuple[str, ...] = (
     "step",
@@ -232,6 +242,8 @@ class LedgerVerdict:
     last_step: int | None = None
     reference: str | None = None
     rtol: float = 1e-4
+    #: Replicas admitted by hot re-join over the ledger (the lines' ``joined``).
+    joins: int = 0
     # The problem that names first_bad_step (or the first one), for the verdict line.
     headline: str | None = field(default=None, repr=False)
 
@@ -239,6 +251,8 @@ class LedgerVerdict:
         if self.ok:
             span = f"steps {self.first_step}-{self.last_step}" if self.steps else "no steps"
             line = f"ledger OK: {self.steps} steps, B={self.B}, {span}, policy {self.policy}"
+            if self.joins:
+                line += f", {self.joins} join{'s' if self.joins != 1 else ''}"
             if self.reference is not None:
                 line += f", loss matches the reference within rtol={self.rtol:g}"
             return line
@@ -312,6 +326,44 @@ def _check_ids(
         problems.add(step, f"committed={committed} but {len(ids)} microbatch ids are listed")
 
 
+def _check_joins(problems: _Problems, step: int, rec: Mapping[str, Any], prev: Mapping[str, Any] | None) -> int:
+    """The re-join fields of one line; returns how many replicas it admits."""
+    joined = rec.get("joined", [])
+    if not isinstance(joined, list) or not all(_is_int(r) for r in joined):
+        problems.add(step, f"joined must be a list of replica indices, got {joined!r}")
+        return 0
+    if len(set(joined)) != len(joined):
+        problems.add(step, f"joined lists a replica twice: {joined}")
+    replicas, faults = rec.get("replicas"), rec.get("faults")
+    if isinstance(replicas, list) and isinstance(faults, list):
+        unaccounted = sorted(set(joined) - set(replicas) - set(faults))
+        if unaccounted:
+            problems.add(step, f"joined replicas {unaccounted} neither committed the step nor are among its faults")
+    if prev is not None and isinstance(prev.get("replicas"), list) and isinstance(faults, list):
+        # A replica already live can only be replaced after its loss is recorded.
+        live_again = sorted((set(joined) & set(prev["replicas"])) - set(faults))
+        if live_again:
+            problems.add(
+                step,
+                f"joined replicas {live_again} were live in step {prev.get('step')} and are not among this "
+                f"step's faults (a joiner takes a lost replica's index)",
+            )
+    joins = rec.get("joins")
+    if joins is not None:
+        if not isinstance(joins, list) or not all(isinstance(j, dict) for j in joins):
+            problems.add(step, f"joins must be a list of objects, got {joins!r}")
+        else:
+            listed = [j.get("replica") for j in joins]
+            if listed != joined:
+                problems.add(step, f"joins are for replicas {listed} but joined is {joined}")
+            for j in joins:
+                for key in ("transfer_s", "pause_s"):
+                    v = j.get(key)
+                    if v is not None and not (_is_number(v) and v >= 0):
+                        problems.add(step, f"join of replica {j.get('replica')}: {key} must be seconds >= 0 or null, got {v!r}")
+    return len(joined)
+
+
 def check_ledger(
     path: str | os.PathLike[str],
     reference: str | os.PathLike[str] | None = None,
@@ -341,6 +393,8 @@ def check_ledger(
     losses: dict[int, Any] = {}
     steps_seen: list[int] = []
     prev_step: int | None = None
+    prev_rec: dict[str, Any] | None = None
+    n_joins = 0
 
     for lineno, rec in enumerate(records, 1):
         step = rec.get("step")
@@ -355,7 +409,9 @@ def check_ledger(
             problems.add(step, f"missing fields {missing}")
         if prev_step is not None and step != prev_step + 1:
             problems.add(step, f"steps are not consecutive: step {step} follows step {prev_step}")
+        n_joins += _check_joins(problems, step, rec, prev_rec if prev_step == step - 1 else None)
         prev_step = step
+        prev_rec = rec
         steps_seen.append(step)
         line_policy = policy or rec.get("policy", "static")
         if line_policy not in ("static", "adaptive"):
@@ -391,6 +447,7 @@ def check_ledger(
         last_step=steps_seen[-1] if steps_seen else None,
         reference=ref_name,
         rtol=rtol,
+        joins=n_joins,
     )
 
 

@@ -10,6 +10,29 @@ A lost contributor is replaced by the spare that shadows it (no extra compute), 
 are replayed by the survivors (a boundary step). `AdaptiveWorld` is the ablation that
 behaves like torchft: lost ids are dropped and the step divides by what survived.
 
+Hot re-join (the paper's reverse role adjustment) is one more membership event,
+``join(replicas, lost=())``, allowed only at a step boundary: after ``commit()`` and
+before the next ``begin_step()`` (a step in progress never changes its contributors by a
+join, so its exactly-once plan is untouched). Every rank, the joiners included, applies
+the same ``join`` at the same boundary. A joiner takes the index of a replica that was
+lost (indices stay in 0..W_init-1, so a job never has more than W_init replicas): it is
+either already gone from the live set (its loss was seen by an earlier step), or its loss
+was only seen between steps, by a repair outside any step; then pass it in ``lost`` too,
+so the next step records that fault and the join both. The step that first includes the
+joiners lists them in its record's ``joined``. B never changes; the steady plan of the
+enlarged live set re-balances the roles: G_cur falls back towards G_init as replicas
+return, and once more than T are live the extra ones are spares again.
+
+A joiner's first step: with ``StaticWorld(join_as_spare=True)`` (the default) the
+replicas admitted at a boundary are spares for the step that follows it, shadowing a
+contributor, and the replicas that were already live carry the step exactly as they
+would have without the join; from the next step on the joiners contribute. Dying in
+that first step then costs no replay, and a contributor lost in it is covered by the
+joiner at no extra compute. With ``join_as_spare=False`` the joiners contribute at once
+when the live replicas before them cannot carry B at G_init (they are ordered after the
+replicas already live, so they are the spares when more than T are live).
+`AdaptiveWorld` has no spares: a joiner computes its own ids at once, the batch grows back.
+
 The module is deliberately pure Python (no torch, no MPI) so it can be tested exhaustively.
 Bad settings (sizes, T, min_replicas, the policy name, a checkpoint of other settings) raise
 :class:`lightning_recover.config.ConfigurationError`; misuse of the protocol raises
@@ -163,8 +186,10 @@ class CommitRecord:
     """What a committed step applied; the ledger line is built from it.
 
     `faults` includes replicas found dead between the previous commit and this step's
-    begin_step. `extra_microbatches` counts the replayed ids the committing replicas hold
-    (the boundary step's B - C_cur); a replayer that died mid-replay is not counted.
+    begin_step; `joined` the replicas admitted in that interval (a joiner that died before
+    the step began is in both). `extra_microbatches` counts the replayed ids the committing
+    replicas hold (the boundary step's B - C_cur); a replayer that died mid-replay is not
+    counted.
     """
 
     step: int
@@ -176,6 +201,8 @@ class CommitRecord:
     faults: tuple[int, ...]
     extra_microbatches: int
     G_cur: int
+    #: Replicas admitted by join() at the boundary before this step (see the module docstring).
+    joined: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready fields (lists, string keys) for a ledger line."""
@@ -189,6 +216,7 @@ class CommitRecord:
             "faults": list(self.faults),
             "extra_microbatches": self.extra_microbatches,
             "G_cur": self.G_cur,
+            "joined": list(self.joined),
         }
 
 
@@ -266,6 +294,9 @@ class WorkloadPolicy(abc.ABC):
         self._step: int | None = None
         self._slots: dict[int, _Slot] = {}
         self._faults: list[int] = []
+        # Membership events between steps, recorded by the next step's commit.
+        self._joined: set[int] = set()
+        self._lost_between: set[int] = set()
 
     # -- shared helpers -------------------------------------------------------------
 
@@ -323,13 +354,15 @@ class WorkloadPolicy(abc.ABC):
         if rejoined:
             raise ValueError(
                 f"begin_step({step}): replica(s) {sorted(rejoined)} are not live "
-                f"(live: {list(self._live)}); hot re-join is not supported, drop them from alive"
+                f"(live: {list(self._live)}); a re-joining replica must be admitted with "
+                f"join() after the previous commit(), else drop it from alive"
             )
         self._check_enough(alive_set, f"begin_step({step})")
         # Replicas found dead between steps are recorded as faults of the step that saw them;
         # re-beginning an uncommitted step keeps the faults its aborted attempt saw.
         carried = set(self._faults) if self._step is not None else set()
-        self._faults = sorted(carried | (set(self._live) - alive_set))
+        self._faults = sorted(carried | (set(self._live) - alive_set) | self._lost_between)
+        self._lost_between = set()
         self._live = tuple(sorted(alive_set))
         self._step = step
         return list(self._live)
@@ -347,6 +380,46 @@ class WorkloadPolicy(abc.ABC):
         self._live = tuple(survivors)
         self._faults = sorted({*self._faults, *newly})
         return newly, dead
+
+    def join(self, replicas: Collection[int], *, lost: Collection[int] = ()) -> tuple[int, ...]:
+        """Admit ``replicas`` at a step boundary; returns the live replicas after the join.
+
+        Call it after ``commit()`` (or before the first ``begin_step``) and before the next
+        ``begin_step``, on every rank, joiners included. A joiner takes the index of a lost
+        replica. ``lost``: replicas found dead since the last event this policy saw (a repair
+        between steps) -- they are removed first and recorded as faults of the next step, so
+        a replacement may take such an index at the same boundary. A joiner also dead by the
+        next ``begin_step`` is simply missing from its ``alive``: recorded as joined and lost.
+        """
+        if self._step is not None:
+            raise PolicyError(
+                f"join() called while step {self._step} is open; replicas join at a step "
+                f"boundary: call join() after commit() and before the next begin_step()"
+            )
+        gone = self._replica_set(lost, "join(lost=...)") & set(self._live)
+        new = self._replica_set(replicas, "join()")
+        already = sorted(new & (set(self._live) - gone))
+        if already:
+            raise ValueError(
+                f"join(): replica(s) {already} are already live (live: {list(self._live)}); "
+                f"a joiner takes a lost replica's index -- if that replica's loss was seen "
+                f"only between steps, pass it in lost= as well"
+            )
+        live = (set(self._live) - gone) | new
+        self._check_enough(live, f"join({sorted(new)}, lost={sorted(gone)})")
+        self._live = tuple(sorted(live))
+        self._lost_between |= gone
+        self._joined |= new
+        self._after_membership_change()
+        return self._live
+
+    def _after_membership_change(self) -> None:
+        """Hook for derived quantities of the live set (StaticWorld's G_cur)."""
+
+    @property
+    def joining(self) -> tuple[int, ...]:
+        """Replicas admitted since the last commit (the next record's ``joined``)."""
+        return tuple(sorted(self._joined))
 
     @property
     def live(self) -> tuple[int, ...]:
@@ -379,6 +452,10 @@ class WorkloadPolicy(abc.ABC):
             "min_replicas": self.min_replicas,
             "live": list(self._live),
             "next_step": self._next_step,
+            # Between-step membership events not yet committed (a state handed to a joiner
+            # at the boundary of its join carries them, so its next record is everyone's).
+            "joined": sorted(self._joined),
+            "lost": sorted(self._lost_between),
         }
 
     def _load_common(self, d: Mapping[str, Any]) -> None:
@@ -402,6 +479,14 @@ class WorkloadPolicy(abc.ABC):
         self._step = None
         self._slots = {}
         self._faults = []
+        # Absent from checkpoints written before hot re-join existed: no pending events.
+        self._joined = self._replica_set(d.get("joined", ()), "load_state_dict (joined)")
+        self._lost_between = self._replica_set(d.get("lost", ()), "load_state_dict (lost)")
+        if not self._joined <= live | self._lost_between:
+            raise ValueError(
+                f"policy state lists joined replicas {sorted(self._joined - live)} that are neither "
+                f"live {sorted(live)} nor lost; the state is corrupt"
+            )
 
     # -- protocol -------------------------------------------------------------------
 
@@ -424,7 +509,8 @@ class WorkloadPolicy(abc.ABC):
         """JSON-serialisable state between steps.
 
         An open step's plan is not saved: after a load, begin_step(next_step, alive) re-runs
-        that step from its steady-state plan for the replicas live at the last event.
+        that step from its steady-state plan for the replicas live at the last event. Joins
+        and between-step losses since the last commit are kept (the next record lists them).
         """
         return self._common_state()
 
@@ -438,8 +524,17 @@ class StaticWorld(WorkloadPolicy):
     name = "static"
 
     def __init__(
-        self, W_init: int, G_init: int, T: int | None = None, min_replicas: int = 1
+        self,
+        W_init: int,
+        G_init: int,
+        T: int | None = None,
+        min_replicas: int = 1,
+        *,
+        join_as_spare: bool = True,
     ) -> None:
+        if not isinstance(join_as_spare, bool):
+            raise ConfigurationError(f"join_as_spare must be True or False, got {join_as_spare!r}")
+        self.join_as_spare = join_as_spare
         W_init = _check_setting("W_init", W_init, 1, "start at least one replica")
         G_init = _check_setting("G_init", G_init, 1, "set recover.grad_accum to a positive integer")
         if T is None:
@@ -456,7 +551,12 @@ class StaticWorld(WorkloadPolicy):
 
     def _steady_slots(self, live: list[int]) -> tuple[int, dict[int, _Slot]]:
         B, G_init = self.B, self.G_init
-        G = steady_quota(B, len(live), G_init)
+        # Replicas that were live before the boundary come first: a join never demotes them,
+        # and with join_as_spare they alone carry the joiners' first step.
+        veterans = [r for r in live if r not in self._joined]
+        live = veterans + [r for r in live if r in self._joined]
+        carriers = len(veterans) if self.join_as_spare and veterans else len(live)
+        G = steady_quota(B, carriers, G_init)
         n_major, R = divmod(B, G)
         slots: dict[int, _Slot] = {}
         contributors: list[int] = []
@@ -569,20 +669,32 @@ class StaticWorld(WorkloadPolicy):
             faults=tuple(self._faults),
             extra_microbatches=len(plan.replayed),
             G_cur=steady_quota(self.B, len(self._live), self.G_init),
+            joined=tuple(sorted(self._joined)),
         )
         self.G_cur = record.G_cur
         self._next_step = step + 1
         self._step = None
         self._slots = {}
         self._faults = []
+        self._joined = set()
         return record
+
+    def _after_membership_change(self) -> None:
+        self.G_cur = steady_quota(self.B, len(self._live), self.G_init)
 
     def state_dict(self) -> dict[str, Any]:
         d = self._common_state()
         d["G_cur"] = self.G_cur
+        d["join_as_spare"] = self.join_as_spare
         return d
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        # A joiner must plan its first step as the survivors do.
+        if d.get("join_as_spare", self.join_as_spare) != self.join_as_spare:
+            raise ConfigurationError(
+                f"policy state has join_as_spare={d['join_as_spare']!r} but this run has "
+                f"join_as_spare={self.join_as_spare}; every replica, joiners included, must use the same setting"
+            )
         self._load_common(d)
         # Derived, not trusted: the quota is a function of the live set.
         self.G_cur = steady_quota(self.B, len(self._live), self.G_init)
@@ -638,21 +750,29 @@ class AdaptiveWorld(WorkloadPolicy):
             faults=tuple(self._faults),
             extra_microbatches=0,
             G_cur=self.G_init,
+            joined=tuple(sorted(self._joined)),
         )
         self._next_step = step + 1
         self._step = None
         self._slots = {}
         self._faults = []
+        self._joined = set()
         return record
 
 
 def make_policy(
-    name: str, W_init: int, G_init: int, T: int | None = None, min_replicas: int = 1
+    name: str,
+    W_init: int,
+    G_init: int,
+    T: int | None = None,
+    min_replicas: int = 1,
+    *,
+    join_as_spare: bool = True,
 ) -> WorkloadPolicy:
-    """Build a policy by its config name ("static" or "adaptive")."""
+    """Build a policy by its config name ("static" or "adaptive"); ``join_as_spare`` is static's only."""
     key = name.strip().lower() if isinstance(name, str) else name
     if key == "static":
-        return StaticWorld(W_init, G_init, T=T, min_replicas=min_replicas)
+        return StaticWorld(W_init, G_init, T=T, min_replicas=min_replicas, join_as_spare=join_as_spare)
     if key == "adaptive":
         if T is not None and T != W_init:
             raise ConfigurationError(

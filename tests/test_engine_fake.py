@@ -10,6 +10,7 @@ FakeWorld", and ranks that call different collectives are caught.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -231,3 +232,64 @@ def test_bad_arguments_name_the_fix() -> None:
         FakeWorld(1).comm(0).allreduce([torch.ones(2)], [torch.empty(3)])
     with pytest.raises(ValueError, match=r"rank 3 out of range 0..1"):
         FakeWorld(2).comm(3)
+
+
+# ---------------------------------------------------------------------- hot re-join
+def test_spawn_replaces_only_a_repaired_replica() -> None:
+    world = FakeWorld(2)
+
+    def fn(comm: FakeComm) -> tuple[int, ...]:
+        if comm.rank == 0:
+            with pytest.raises(ValueError, match=r"spawn\(1\): replica 1 is alive"):
+                world.spawn(1, lambda c: None)
+        comm.agree(True)
+        if comm.rank == 1:
+            comm.die()
+        assert not comm.agree(True)  # rank 1 is dead, not yet repaired
+        with pytest.raises(ValueError, match=r"still a member of world epoch 0; repair the world first"):
+            world.spawn(1, lambda c: None)
+        comm.repair()
+        # Several survivors may ask for the same replacement: one starts.
+        assert world.spawn(1, lambda c: c.join().joined, request="r1")
+        assert not world.spawn(1, lambda c: None, request="r1") and not world.spawn(1, lambda c: None)
+        return comm.merge(wait_for=[1]).joined
+
+    assert world.run(fn) == {0: (1,), 1: (1,)}
+    assert [(d.rank, d.life) for d in world.deaths] == [(1, 0)] and world.dead == {}
+    assert world.comm(1).life == 1 and world.comm(1).world_epoch == world.comm(0).world_epoch == 2
+    with pytest.raises(RuntimeError, match=r"spawn\(\) outside run\(\)"):
+        world.spawn(1, lambda c: None)
+    with pytest.raises(ValueError, match=r"Kill\(at='join'\) strikes a replacement: give life >= 1"):
+        Kill(1, "join")
+
+
+def test_merge_admits_ready_replicas_shard_by_shard_and_fails_alike_on_a_death() -> None:
+    # 3 replicas x 2 shards. Replica 2 dies and is replaced; the first merge is broken by the
+    # death of rank 1 (replica 0's shard 1, so replica 0 goes whole): nobody is admitted,
+    # everyone sees PeerFailure. After the repair, the merge admits replica 2, and each of
+    # its ranks receives the payload of the lowest survivor holding its shard.
+    world = FakeWorld(3, shards=2, kills=[Kill(4, "agree"), Kill(1, "merge")])
+
+    def joiner(comm: FakeComm) -> tuple[Any, int, tuple[int, ...]]:
+        adm = comm.join()
+        assert comm.agree(True)  # a member like any other from now on
+        return adm.payload, adm.world_epoch, adm.alive_replicas
+
+    def survivor(comm: FakeComm) -> tuple[str, Any, int]:
+        assert not comm.agree(True)
+        comm.repair()
+        world.spawn(2, joiner, request="replica 2")
+        try:
+            comm.merge(f"state of rank {comm.rank}", wait_for=[2])
+            first = "merged"
+        except PeerFailure:
+            first = "PeerFailure"
+        comm.repair()
+        merged = comm.merge(f"state of rank {comm.rank}", wait_for=[2])
+        assert comm.agree(True)
+        return first, merged.joined, merged.world_epoch
+
+    results = world.run(survivor)
+    assert results[2] == results[3] == ("PeerFailure", (2,), 3)
+    assert results[4] == ("state of rank 2", 3, (1, 2)) and results[5] == ("state of rank 3", 3, (1, 2))
+    assert world.comm(4).members == (2, 3, 4, 5) and not world.unfired

@@ -124,6 +124,55 @@ def test_policy_commit_record_makes_a_valid_ledger(tmp_path: Path):
     assert verdict.steps == 4 and verdict.B == 8
 
 
+def test_policy_commit_records_with_rejoins_make_a_valid_ledger(tmp_path: Path):
+    # Replica 2 is lost in step 1 and re-joins before step 3: the join's line lists it.
+    pol = StaticWorld(W_init=4, G_init=2)
+    with LedgerWriter(tmp_path / "l.jsonl") as w:
+        for step in range(5):
+            if step == 3:
+                pol.join([2])
+            pol.begin_step(step, pol.live)
+            if step == 1:
+                pol.fail([2])
+            rec = pol.commit().as_dict()
+            rec.update(loss=1.0, world_epoch=step, step_time_s=0.1, recovery_s=0.0)
+            rec["joins"] = [{"replica": r, "transfer_s": 0.5, "pause_s": 0.25} for r in rec["joined"]]
+            w.write(rec)
+    lines = read_ledger(tmp_path / "l.jsonl")
+    assert [line["joined"] for line in lines] == [[], [], [], [2], []]
+    assert [line["replicas"] for line in lines][2:4] == [[0, 1, 3], [0, 1, 2, 3]]
+    verdict = check_ledger(tmp_path / "l.jsonl")
+    assert verdict.ok, verdict.problems
+    assert verdict.joins == 1 and verdict.summary_line().endswith("policy static, 1 join")
+
+
+def test_rejects_inconsistent_joins_and_keeps_exactly_once_on_join_steps(tmp_path: Path):
+    recs = [record(t) for t in range(6)]
+    recs[1].update(replicas=[0, 1, 3], faults=[2])
+    recs[2].update(replicas=[0, 1, 3])
+    recs[3].update(joined=[2], joins=[{"replica": 2, "transfer_s": 1.5, "pause_s": None}])
+    assert check_ledger(write(tmp_path / "ok.jsonl", recs)).ok
+    bad = [dict(r) for r in recs]
+    bad[3] = dict(bad[3], microbatch_ids=bad[3]["microbatch_ids"][:-1] + [bad[3]["microbatch_ids"][0]])
+    bad[4] = dict(bad[4], joined=[1])  # replica 1 was live in step 3 and is no fault of step 4
+    bad[5] = dict(bad[5], replicas=[0, 1, 2], faults=[], joined=[3], joins=[{"replica": 0, "transfer_s": -1}])
+    v = check_ledger(write(tmp_path / "bad.jsonl", bad))
+    assert not v.ok and v.first_bad_step == 3
+    assert v.problems == [
+        "step 3: duplicated microbatch ids [24]",
+        "step 3: missing microbatch ids [31]",
+        "step 4: joined replicas [1] were live in step 3 and are not among this step's faults "
+        "(a joiner takes a lost replica's index)",
+        "step 5: joined replicas [3] neither committed the step nor are among its faults",
+        "step 5: joined replicas [3] were live in step 4 and are not among this step's faults "
+        "(a joiner takes a lost replica's index)",
+        "step 5: joins are for replicas [0] but joined is [3]",
+        "step 5: join of replica 0: transfer_s must be seconds >= 0 or null, got -1",
+    ]
+    v = check_ledger(write(tmp_path / "bad2.jsonl", [record(0, joined="2")]))
+    assert v.problems == ["step 0: joined must be a list of replica indices, got '2'"]
+
+
 # ---------------------------------------------------------------------------------------
 # checker
 

@@ -547,3 +547,218 @@ def test_adaptive_divisor_is_committed(W, G, data):
     assert rec.committed <= pol.B
     for r in plan.live:
         assert plan.plans[r].ids == tuple(range(r * G, (r + 1) * G))
+
+
+# ---------------------------------------------------------------------------------------
+# hot re-join (reverse role adjustment)
+
+
+def test_rejoin_reverse_role_adjustment():
+    pol = StaticWorld(W_init=4, G_init=2, T=3)  # B=6: three majors and a spare
+    plan = pol.begin_step(0, range(4))
+    assert plan.plans[3].role is Role.MAJOR_SPARE and plan.plans[3].shadows == 0
+    pol.fail([0, 1])  # 3 takes over 0's ids, 1's are replayed
+    rec = pol.commit()
+    assert rec.replicas == (2, 3) and rec.G_cur == 3 and rec.joined == ()
+    assert pol.join([1]) == (1, 2, 3) and pol.joining == (1,) and pol.G_cur == 2
+    plan = pol.begin_step(1, pol.live)
+    # The joiner's first step: a spare; the replicas already live carry B as before.
+    assert plan.G_cur == 3 and plan.contributors == (2, 3)
+    assert plan.plans[1].role is Role.MAJOR_SPARE and plan.plans[1].shadows == 2
+    check_exactly_once(plan)
+    check_roles(plan)
+    rec = pol.commit()
+    assert rec.joined == (1,) and rec.faults == () and rec.G_cur == 2 and rec.as_dict()["joined"] == [1]
+    plan = pol.begin_step(2, pol.live)  # then it contributes: G_cur back to G_init
+    assert plan.G_cur == 2 and plan.contributors == (1, 2, 3)
+    assert pol.commit().joined == ()
+    pol.join([0])  # more than T live: the extra replica is a spare again
+    plan = pol.begin_step(3, pol.live)
+    assert plan.contributors == (1, 2, 3) and plan.plans[0].role is Role.MAJOR_SPARE
+    pol.commit()
+    plan = pol.begin_step(4, pol.live)
+    assert plan.contributors == (0, 1, 2) and plan.plans[3].role is Role.MAJOR_SPARE and plan.G_cur == 2
+
+
+def test_rejoin_without_probation_contributes_at_once():
+    pol = StaticWorld(W_init=3, G_init=2, join_as_spare=False)  # B=6
+    pol.begin_step(0, range(3))
+    pol.fail([0])
+    pol.commit()
+    pol.join([0])
+    plan = pol.begin_step(1, pol.live)
+    assert plan.G_cur == 2 and plan.contributors == (0, 1, 2)
+    # Ordered after the replicas already live: the joiner has the last block.
+    assert plan.plans[0].ids == (4, 5) and plan.plans[1].ids == (0, 1)
+    check_exactly_once(plan)
+    plan = pol.fail([0])  # its loss in its first step is replayed
+    assert len(plan.replayed) == 2
+    rec = pol.commit()
+    assert rec.joined == (0,) and rec.faults == (0,) and rec.extra_microbatches == 2
+
+
+def test_join_replaces_a_loss_seen_between_steps():
+    pol = StaticWorld(W_init=3, G_init=2)
+    pol.begin_step(0, range(3))
+    pol.commit()
+    # Replica 1 died in a collective between steps; its replacement joins at the same boundary.
+    with pytest.raises(ValueError, match=r"replica\(s\) \[1\] are already live.*pass it in lost="):
+        pol.join([1])
+    assert pol.join([1], lost=[1]) == (0, 1, 2)
+    plan = pol.begin_step(1, [0, 1, 2])
+    assert not plan.plans[1].contributes
+    rec = pol.commit()
+    assert rec.faults == (1,) and rec.joined == (1,) and rec.replicas == (0, 1, 2)
+    # A joiner that dies before its first step begins is recorded as joined and lost.
+    pol.begin_step(2, [0, 2])
+    pol.commit()
+    pol.join([1])
+    rec = (pol.begin_step(3, [0, 2]), pol.commit())[1]
+    assert rec.joined == (1,) and rec.faults == (1,) and rec.replicas == (0, 2)
+
+
+def test_join_misuse():
+    pol = StaticWorld(W_init=3, G_init=2)
+    pol.begin_step(0, range(3))
+    with pytest.raises(PolicyError, match=r"join\(\) called while step 0 is open.*after commit\(\)"):
+        pol.join([1])
+    pol.fail([2])
+    pol.commit()
+    with pytest.raises(ValueError, match=r"join\(\): replica index 3 is not in 0\.\.2"):
+        pol.join([3])
+    assert pol.join([]) == (0, 1) and pol.joining == ()
+    pol = StaticWorld(W_init=3, G_init=2, min_replicas=2)
+    pol.begin_step(0, range(3))
+    pol.fail([2])
+    pol.commit()
+    with pytest.raises(TooFewReplicasError, match="min_replicas=2"):
+        pol.join([2], lost=[0, 1])
+    with pytest.raises(ConfigurationError, match="join_as_spare must be True or False"):
+        StaticWorld(3, 2, join_as_spare="yes")  # type: ignore[arg-type]
+
+
+def test_state_dict_carries_pending_joins():
+    pol = StaticWorld(W_init=4, G_init=2)
+    pol.begin_step(0, range(4))
+    pol.fail([1, 3])
+    pol.commit()
+    before = json.loads(json.dumps(pol.state_dict()))
+    pol.join([1, 3], lost=[2])
+    after = json.loads(json.dumps(pol.state_dict()))
+    assert after["joined"] == [1, 3] and after["lost"] == [2] and after["live"] == [0, 1, 3]
+    # A joiner given the state before the join applies it too; one given it after does not: same plans.
+    a = StaticWorld(W_init=4, G_init=2)
+    a.load_state_dict(before)
+    a.join([1, 3], lost=[2])
+    b = StaticWorld(W_init=4, G_init=2)
+    b.load_state_dict(after)
+    assert a.G_cur == b.G_cur == pol.G_cur == 3
+    want = pol.begin_step(1, [0, 1, 3])
+    assert a.begin_step(1, [0, 1, 3]) == b.begin_step(1, [0, 1, 3]) == want
+    assert a.commit() == b.commit() == pol.commit()
+    # Every replica must plan a joiner's first step alike.
+    with pytest.raises(ConfigurationError, match="join_as_spare=True but this run has join_as_spare=False"):
+        StaticWorld(W_init=4, G_init=2, join_as_spare=False).load_state_dict(after)
+    # A checkpoint from before re-join existed has no pending events.
+    old = {k: v for k, v in before.items() if k not in ("joined", "lost", "join_as_spare")}
+    c = StaticWorld(W_init=4, G_init=2)
+    c.load_state_dict(old)
+    assert c.joining == () and c.live == (0, 2)
+
+
+def test_adaptive_batch_grows_back_on_rejoin():
+    pol = AdaptiveWorld(W_init=3, G_init=2)
+    pol.begin_step(0, range(3))
+    pol.fail([1])
+    assert pol.commit().committed == 4
+    pol.join([1])
+    plan = pol.begin_step(1, pol.live)
+    assert plan.plans[1].ids == (2, 3) and plan.plans[1].contributes and plan.divisor == 6
+    rec = pol.commit()
+    assert rec.committed == 6 and rec.joined == (1,) and rec.microbatch_ids == tuple(range(6, 12))
+    assert make_policy("adaptive", 3, 2, join_as_spare=False).name == "adaptive"
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=configs(), join_as_spare=st.booleans(), data=st.data())
+def test_random_failures_and_rejoins_keep_B_and_exactly_once(cfg, join_as_spare, data):
+    W_init, T, G_init, min_rep = cfg
+
+    def make() -> StaticWorld:
+        return StaticWorld(W_init, G_init, T=T, min_replicas=min_rep, join_as_spare=join_as_spare)
+
+    pol = make()
+    twins = [make()]  # fed the same events; joiners' copies are added at each join
+    B = pol.B
+    lost: set[int] = set()
+    step = 0
+    for _ in range(data.draw(st.integers(1, 8))):
+        # The boundary: lost replicas come back; a live one may be lost between steps and replaced at once.
+        live = list(pol.live)
+        joiners = data.draw(st.lists(st.sampled_from(sorted(lost)), unique=True)) if lost else []
+        replaced: list[int] = []
+        if len(live) > 1 and data.draw(st.booleans()):
+            replaced = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live) - 1, unique=True))
+        if joiners or replaced:
+            event("join")
+            before = json.loads(json.dumps(pol.state_dict()))
+            for p in [pol, *twins]:
+                p.join(joiners + replaced, lost=replaced)
+            sent_before, sent_after = make(), make()
+            sent_before.load_state_dict(before)
+            sent_before.join(joiners + replaced, lost=replaced)
+            sent_after.load_state_dict(json.loads(json.dumps(pol.state_dict())))
+            twins = [twins[0], sent_before, sent_after]
+        between: list[int] = []
+        if len(pol.live) > 1 and data.draw(st.booleans()):
+            between = data.draw(st.lists(st.sampled_from(pol.live), min_size=1, max_size=len(pol.live) - 1, unique=True))
+        alive = [r for r in pol.live if r not in between]
+        if len(alive) < min_rep:
+            with pytest.raises(TooFewReplicasError):
+                pol.begin_step(step, alive)
+            return
+        fresh = set(pol.joining)
+        plan = pol.begin_step(step, alive)
+        assert all(t.begin_step(step, alive) == plan for t in twins)
+        check_exactly_once(plan)
+        check_roles(plan)
+        veterans = [r for r in plan.plans if r not in fresh]
+        carriers = len(veterans) if join_as_spare and veterans else len(plan.plans)
+        assert plan.G_cur == steady_quota(B, carriers, G_init) and plan.replayed == ()
+        if join_as_spare and veterans:
+            assert not any(plan.plans[r].contributes for r in fresh & set(plan.plans)), "a joiner contributes in its first step"
+            if fresh & set(plan.plans):
+                event("joiner starts as a spare")
+        died: set[int] = set()
+        for _ in range(data.draw(st.integers(0, 2))):
+            victims = pick_victims(data, plan)
+            if len([r for r in plan.plans if r not in victims]) < max(1, min_rep):
+                with pytest.raises(TooFewReplicasError):
+                    pol.fail(victims)
+                return
+            if fresh & set(victims):
+                event("joiner lost in its first step")
+            died |= set(victims) & set(plan.plans)
+            plan = pol.fail(victims)
+            assert all(t.fail(victims) == plan for t in twins)
+            check_exactly_once(plan)
+            check_roles(plan)
+            check_boundary(plan)
+        rec = pol.commit()
+        assert all(t.commit() == rec for t in twins)
+        assert rec.B == B == rec.committed and rec.microbatch_ids == tuple(range(step * B, step * B + B))
+        assert set(rec.joined) == set(joiners) | set(replaced)
+        assert set(rec.faults) == set(replaced) | set(between) | died
+        assert rec.G_cur == steady_quota(B, len(rec.replicas), G_init)
+        if len(rec.replicas) == W_init:
+            event("every replica back")
+            assert rec.G_cur == G_init
+        lost = set(range(W_init)) - set(rec.replicas)
+        step += 1
+    # Everyone comes back: after the joiners' first step G_cur is G_init again, with T contributors.
+    pol.join(sorted(lost))
+    pol.begin_step(step, pol.live)
+    assert pol.commit().G_cur == G_init
+    plan = pol.begin_step(step + 1, pol.live)
+    assert plan.G_cur == G_init and plan.live == tuple(range(W_init))
+    assert plan.contributors == tuple(range(T)) and all(len(plan.plans[r].ids) == G_init for r in plan.contributors)

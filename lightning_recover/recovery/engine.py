@@ -26,6 +26,15 @@ One step, as every rank of every live replica runs it::
     sums / (B * shards) -> gradients (the caller then runs the optimizer)
     finish()                         the policy commits; the step's ledger record
 
+Between two steps (after ``finish``, before the next ``begin``) replicas may re-join: once
+the communicator has merged them into the world, every rank -- the joiners too, after
+they received the live state -- calls ``admit(joins)``: the policy takes them in
+(``WorkloadPolicy.join``), ``on_replicas_joined`` tells the callbacks, and the next step's
+record lists them (``joined``, and ``joins`` with the transfer and pause seconds the
+communicator measured; :meth:`StepEngine.note_join` fills them in later if the transfer
+follows the admission). A step in progress never admits anyone: joins wait for the
+boundary.
+
 Errors: a peer death is never an exception out of the engine (it becomes a repair); the
 policy's ``TooFewReplicasError`` (below ``min_replicas``) and a callback's refusal in
 ``on_before_commit`` propagate to the caller, as does any error of the runner.
@@ -35,7 +44,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol, TypeVar
 
@@ -45,7 +55,7 @@ from lightning_recover.policy import WorkloadPolicy
 from lightning_recover.recovery.hooks import Dispatch
 from lightning_recover.recovery import step_values
 from lightning_recover.recovery.interface import PeerFailure, RepairResult, ReplicaComm
-from lightning_recover.recovery.state import StepState
+from lightning_recover.recovery.state import Join, StepState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -105,6 +115,8 @@ class StepEngine:
         # record carries them, so no repair goes unaccounted in the ledger.
         self._carried_pauses: list[float] = []
         self._carried_detects: list[float] = []
+        # Joins admitted since the last commit, by replica; the next step's record lists them.
+        self._joins: dict[int, Join] = {}
 
     # ------------------------------------------------------------------ the step
     def begin(self, step: int) -> StepState:
@@ -208,10 +220,60 @@ class StepEngine:
             stale_buckets=st.stale_buckets_redone,
             policy=self.policy.name,
             divisor=st.plan.divisor,
+            joins=[self._joins.get(r, Join(r)).as_dict() for r in record["joined"]],
         )
+        self._joins = {}
         self.state = None
         self.dispatch("on_step_committed", record)
         return record
+
+    # ------------------------------------------------------------------ re-join
+    def admit(self, joins: Iterable[int | Join]) -> tuple[Join, ...]:
+        """Between steps: replicas the communicator merged into the world join the policy.
+
+        ``joins`` are replica indices or :class:`Join` (with the measured timings). Every
+        rank calls it with the same replicas at the same boundary, joiners included (after
+        loading the state a survivor sent). A joiner that takes the index of a replica the
+        policy still counts as live replaces one whose loss was seen only between steps
+        (a repair outside any step): that loss is recorded too, as the next step's fault.
+        Returns the joins; dispatches ``on_replicas_joined``.
+        """
+        if self.state is not None:
+            raise RuntimeError(
+                f"admit() during step {self.state.step}: replicas join at a step boundary; call "
+                f"admit() after finish() and before the next begin() (a joiner ready mid-step waits)"
+            )
+        admitted = tuple(j if isinstance(j, Join) else Join(j) for j in joins)
+        if not admitted:
+            return ()
+        replicas = [j.replica for j in admitted]
+        if len(set(replicas)) != len(replicas):
+            raise ValueError(f"admit(): replica listed twice in {replicas}; pass each joiner once")
+        missing = sorted(set(replicas) - set(self.comm.alive_replicas))
+        if missing:
+            raise ValueError(
+                f"admit(): replica(s) {missing} are not in the communicator's world "
+                f"(alive: {list(self.comm.alive_replicas)}); merge them into the world first"
+            )
+        self.policy.join(replicas, lost=set(replicas) & set(self.policy.live))
+        for j in admitted:
+            self._joins[j.replica] = j
+        self.dispatch("on_replicas_joined", admitted, self.policy.next_step)
+        return admitted
+
+    def note_join(self, replica: int, *, transfer_s: float | None = None, pause_s: float | None = None) -> None:
+        """Timings of an admitted join measured after ``admit`` (e.g. the state transfer that follows it)."""
+        if replica not in self._joins:
+            raise ValueError(
+                f"note_join(): replica {replica} was not admitted since the last commit "
+                f"(pending joins: {sorted(self._joins)}); call admit() first"
+            )
+        j = self._joins[replica]
+        self._joins[replica] = dataclasses.replace(
+            j,
+            transfer_s=j.transfer_s if transfer_s is None else transfer_s,
+            pause_s=j.pause_s if pause_s is None else pause_s,
+        )
 
     # ------------------------------------------------------------------ recovery
     def _recover(self, runner: MicrobatchRunner) -> None:

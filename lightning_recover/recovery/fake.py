@@ -21,8 +21,20 @@ Each simulated rank runs in its own thread (:meth:`FakeWorld.run`) and talks thr
 * the replica-consistency gate: a rank whose replica lost a member leaves (a
   :class:`RankDeath`) at its next communicator call, or as soon as it notices the failure.
 
+Hot re-join, as Spawn + Merge do it in ULFM: :meth:`FakeWorld.spawn` starts a replacement
+for a lost replica (its ranks again, next incarnation: ``FakeComm.life``) in new threads of
+the running :meth:`FakeWorld.run`; a replacement calls :meth:`FakeComm.join` when it is
+ready and waits there. Only the survivors decide when membership grows: at a step boundary
+they call :meth:`FakeComm.merge`, a fault-tolerant rendezvous that admits every replica
+whose ranks are all ready (optionally waiting for some), hands each joiner rank the
+payload of the lowest member holding the same shard (the live state, shard by shard) and
+advances ``world_epoch``. A joiner ready in the middle of a
+step therefore waits for the next boundary. A member dead at the merge makes it fail the
+same way everywhere (:class:`PeerFailure`, nobody admitted): repair, then merge again.
+
 Failures are scripted with :class:`Kill` (before or in the middle of a bucket of a
-reduction or of a world allreduce, at an agreement, inside a repair) or raised from a
+reduction or of a world allreduce, at an agreement, inside a repair, entering a merge or,
+for a replacement, entering join: a death during start-up) or raised from a
 rank's own code with :meth:`FakeComm.die` (like fault injection's SIGKILL in a
 microbatch). A death in the middle of a collective leaves part of the world with the
 result and the rest with PeerFailure, as in MPI; nothing may depend on which. An uncaught
@@ -37,7 +49,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
@@ -47,12 +59,12 @@ from lightning_recover.recovery.buckets import ReduceHandle, plan_buckets
 from lightning_recover.recovery.interface import PeerFailure, RepairResult
 from lightning_recover.topology import RankLayout
 
-__all__ = ["Died", "FakeComm", "FakeWorld", "Kill", "RankDeath", "KILL_POINTS"]
+__all__ = ["Admission", "Died", "FakeComm", "FakeWorld", "Kill", "Merged", "RankDeath", "KILL_POINTS"]
 
 R = TypeVar("R")
 
 #: Where a :class:`Kill` can strike (see its docstring).
-KILL_POINTS = ("bucket", "world", "agree", "repair")
+KILL_POINTS = ("bucket", "world", "agree", "repair", "merge", "join")
 # MPI has no 16-bit sum; the real communicator widens them to fp32, so the fake does too.
 _WIDEN = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 _SUMMABLE = {torch.float32, torch.float64, torch.int32, torch.int64, *_WIDEN}
@@ -66,6 +78,8 @@ class Died:
     how: str
     where: str
     error: BaseException | None = field(default=None, compare=False)
+    #: Which incarnation of the rank: 0 the original, n its n-th replacement (FakeWorld.spawn).
+    life: int = 0
 
 
 class RankDeath(BaseException):
@@ -90,7 +104,9 @@ class Kill:
     collective between steps). ``at="agree"``: entering its ``call``-th agreement, before
     it contributes. ``at="repair"``: inside its ``call``-th repair, in round ``round``,
     after the shrink and before the agreement (the real communicator's
-    ``fault_hook("repair:shrunk")``).
+    ``fault_hook("repair:shrunk")``). ``at="merge"``: entering its ``call``-th merge.
+    ``at="join"``: a replacement entering join, before it is ready (a death in start-up).
+    ``life`` picks the incarnation of ``rank`` (0 the original, 1 its first replacement, ...).
 
     ``mid=True`` (``bucket`` and ``world`` only): the rank dies *during* that collective,
     after its data went in: the ranks below it get the sum, the others PeerFailure, as
@@ -103,6 +119,7 @@ class Kill:
     bucket: int = 0
     round: int = 1
     mid: bool = False
+    life: int = 0
 
     def __post_init__(self) -> None:
         if self.at not in KILL_POINTS:
@@ -114,6 +131,32 @@ class Kill:
             raise ValueError(f"Kill.bucket is a bucket index (>= 0), got {self.bucket}")
         if self.mid and self.at not in ("bucket", "world"):
             raise ValueError(f"Kill.mid applies to a reduction (at='bucket' or 'world'), not at={self.at!r}")
+        if self.life < 0:
+            raise ValueError(f"Kill.life is an incarnation (0 the original rank), got {self.life}")
+        if self.at == "join" and self.life == 0:
+            raise ValueError("Kill(at='join') strikes a replacement: give life >= 1 (the original ranks never join)")
+
+
+@dataclass(frozen=True)
+class Merged:
+    """What a survivors' merge did: the joiners admitted (none: nothing changed) and the new world."""
+
+    world_epoch: int
+    joined: tuple[int, ...]
+    alive_replicas: tuple[int, ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What a joiner learns when a merge admits it: the new world and the leader's payload."""
+
+    world_epoch: int
+    joined: tuple[int, ...]
+    alive_replicas: tuple[int, ...]
+    payload: Any
+    #: Seconds it waited in join() for a merge.
+    waited_s: float
 
 
 @dataclass
@@ -160,6 +203,15 @@ class FakeWorld:
         self._kills: list[Kill] = []
         self.fired: list[Kill] = []
         self._comms = {r: FakeComm(self, r) for r in range(self.layout.world_size)}
+        #: Every death so far, earlier incarnations of respawned ranks included, in order.
+        self.deaths: list[Died] = []
+        # Re-join: replacement ranks ready in join(), and the admissions merges decided.
+        self._ready: set[int] = set()
+        self._admitted: dict[int, tuple[int, tuple[int, ...], tuple[int, ...], Any]] = {}
+        self._requests: set[Hashable] = set()
+        # Threads of the current run(); spawn() adds to it.
+        self._threads: list[tuple[FakeComm, threading.Thread]] = []
+        self._body: Callable[[FakeComm, Callable[[FakeComm], Any]], None] | None = None
         self.kill(*kills)
 
     # ------------------------------------------------------------------ public
@@ -188,6 +240,14 @@ class FakeWorld:
             return [k for k in self._kills if k not in self.fired]
 
     @property
+    def joining(self) -> tuple[int, ...]:
+        """Replicas whose replacement ranks are all ready in join(), waiting for a merge."""
+        with self._cv:
+            return tuple(
+                p for p in range(self.layout.replicas) if all(r in self._ready for r in self.layout.ranks_of_replica(p))
+            )
+
+    @property
     def dead(self) -> dict[int, Died]:
         """Ranks that died so far, and how."""
         with self._cv:
@@ -207,26 +267,36 @@ class FakeWorld:
         results: dict[int, R | Died] = {}
         crashes: list[tuple[int, BaseException]] = []
 
-        def body(comm: FakeComm) -> None:
+        def body(comm: FakeComm, fn: Callable[[FakeComm], Any]) -> None:
             try:
                 results[comm.rank] = fn(comm)
             except RankDeath as death:
                 results[comm.rank] = death.died
             except BaseException as exc:  # noqa: BLE001 - a crash of the simulated rank, reported below
-                died = Died(comm.rank, "crashed", f"{type(exc).__name__}: {exc}", exc)
+                died = Died(comm.rank, "crashed", f"{type(exc).__name__}: {exc}", exc, life=comm.life)
                 with self._cv:
                     crashes.append((comm.rank, exc))
                     self._mark_dead(died)
                 results[comm.rank] = died
 
-        live = [c for r, c in self._comms.items() if r not in self.dead]
-        threads = [threading.Thread(target=body, args=(c,), name=f"fake-rank-{c.rank}", daemon=True) for c in live]
-        for t in threads:
-            t.start()
+        with self._cv:
+            self._body, self._threads = body, []
+            for r, c in self._comms.items():
+                if r not in self._dead:
+                    self._start(c, fn)
         deadline = time.monotonic() + limit
-        for t in threads:
+        i = 0
+        while True:
+            with self._cv:
+                if i >= len(self._threads):
+                    self._body = None  # every thread ended: no more spawns into this run
+                    break
+                t = self._threads[i][1]
             t.join(max(0.0, deadline - time.monotonic()))
-        stuck = [c.rank for c, t in zip(live, threads) if t.is_alive()]
+            if t.is_alive():
+                break
+            i += 1
+        stuck = [c.rank for c, t in self._threads if t.is_alive()]
         if stuck:
             raise AssertionError(
                 f"deadlock in FakeWorld: ranks {stuck} still running {limit:.1f}s after run() started; "
@@ -240,17 +310,65 @@ class FakeWorld:
             raise exc
         return dict(sorted(results.items()))
 
+    def _start(self, comm: FakeComm, fn: Callable[[FakeComm], Any]) -> None:
+        assert self._body is not None
+        t = threading.Thread(target=self._body, args=(comm, fn), name=f"fake-rank-{comm.rank}.{comm.life}", daemon=True)
+        self._threads.append((comm, t))
+        t.start()
+
+    def spawn(self, replica: int, fn: Callable[[FakeComm], Any], *, request: Hashable | None = None) -> bool:
+        """Start a replacement for lost ``replica``: its ranks again, next incarnation, running ``fn``.
+
+        Call it from a rank's code inside :meth:`run` (the new threads belong to that run).
+        The replica must be dead and repaired out of the world. Every survivor may ask for
+        the same replacement: returns False (nothing started) for a ``request`` already
+        served, or, without one, while a replacement is starting or waiting to be merged.
+        """
+        if not 0 <= replica < self.layout.replicas:
+            raise ValueError(f"replica {replica} is not a replica of this world (0..{self.layout.replicas - 1})")
+        ranks = self.layout.ranks_of_replica(replica)
+        with self._cv:
+            if self._body is None:
+                raise RuntimeError("spawn() outside run(): call it from a simulated rank's code")
+            if request is not None:
+                if request in self._requests:
+                    return False
+                self._requests.add(request)
+            if not all(r in self._dead for r in ranks):
+                if all(self._comms[r].world_epoch is None for r in ranks):
+                    return False  # its replacement is starting or waiting to be merged
+                raise ValueError(
+                    f"spawn({replica}): replica {replica} is alive (ranks {list(ranks)}); only a lost replica is replaced"
+                )
+            newest = self._members[max(self._members)]
+            if any(r in newest for r in ranks):
+                raise ValueError(
+                    f"spawn({replica}): replica {replica} is dead but still a member of world epoch "
+                    f"{max(self._members)}; repair the world first (replace only what a repair removed)"
+                )
+            for r in ranks:
+                old = self._comms[r]
+                self._dead.pop(r)
+                self._comms[r] = FakeComm(self, r, life=old.life + 1)
+            for r in ranks:
+                self._start(self._comms[r], fn)
+            self._cv.notify_all()
+        return True
+
     # ------------------------------------------------------------------ deaths
     def _describe_dead(self) -> str:
         return ", ".join(f"{d.rank} ({d.how}: {d.where})" for d in self.dead.values()) or "none"
 
     def _mark_dead(self, died: Died) -> None:
         with self._cv:
-            self._dead.setdefault(died.rank, died)
+            if died.rank not in self._dead:
+                self._dead[died.rank] = died
+                self.deaths.append(died)
+                self._ready.discard(died.rank)
             self._cv.notify_all()
 
     def _die(self, comm: FakeComm, how: str, where: str) -> NoReturn:
-        died = Died(comm.rank, how, where)
+        died = Died(comm.rank, how, where, life=comm.life)
         self._mark_dead(died)
         raise RankDeath(died)
 
@@ -259,6 +377,8 @@ class FakeWorld:
         with self._cv:
             if comm.rank in self._dead:
                 raise RankDeath(self._dead[comm.rank])
+            if self._comms[comm.rank] is not comm:
+                raise RankDeath(Died(comm.rank, "killed", f"{what}: incarnation {comm.life} was replaced", life=comm.life))
             self._gate(comm, f"entering {what}")
 
     def _gate(self, comm: FakeComm, reason: str) -> None:
@@ -271,7 +391,7 @@ class FakeWorld:
         """The scripted kill due at this point, if any (marked fired)."""
         with self._cv:
             for k in self._kills:
-                if k in self.fired or k.rank != comm.rank or k.at != at or k.call != call:
+                if k in self.fired or k.rank != comm.rank or k.life != comm.life or k.at != at or k.call != call:
                     continue
                 if (at == "bucket" and k.bucket != bucket) or (at == "repair" and k.round != repair_round):
                     continue
@@ -374,27 +494,80 @@ class FakeWorld:
                     return op.result  # type: ignore[no-any-return]
                 self._wait(deadline, comm, key, op)
 
+    def _merge(
+        self, comm: FakeComm, key: tuple[Any, ...], members: tuple[int, ...], payload: Any, wait_for: tuple[int, ...]
+    ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """The survivors' side of a merge (fault tolerant, decided once under the lock).
+
+        Completes when every member gave or died and every replica in ``wait_for`` is
+        ready or dead. Returns (joined replicas, new members), or None when a member died.
+        """
+        epoch = key[0]
+        with self._cv:
+            op = self._op(key, members, ("merge", wait_for), comm.rank)
+            op.inputs[comm.rank] = payload
+            self._cv.notify_all()
+            deadline = time.monotonic() + self.timeout
+            while True:
+                if not op.done and all(m in op.inputs or m in self._dead for m in members) and all(
+                    all(r in self._ready or r in self._dead for r in self.layout.ranks_of_replica(p)) for p in wait_for
+                ):
+                    if any(m in self._dead for m in members):
+                        op.result = None
+                    else:
+                        joined = tuple(
+                            p
+                            for p in range(self.layout.replicas)
+                            if all(r in self._ready for r in self.layout.ranks_of_replica(p))
+                        )
+                        new = tuple(sorted({*members, *(r for p in joined for r in self.layout.ranks_of_replica(p))}))
+                        alive = tuple(sorted({self.layout.replica_of(r) for r in new}))
+                        if joined:
+                            if self._members.setdefault(epoch + 1, new) != new:
+                                raise AssertionError(
+                                    f"FakeWorld bug: two memberships for world epoch {epoch + 1}: {self._members[epoch + 1]} and {new}"
+                                )
+                            # Shard by shard: each joiner rank gets the state of the lowest member holding its shard.
+                            for p in joined:
+                                for r in self.layout.ranks_of_replica(p):
+                                    shard = self.layout.shard_of(r)
+                                    given = op.inputs[min(m for m in members if self.layout.shard_of(m) == shard)]
+                                    self._ready.discard(r)
+                                    self._admitted[r] = (epoch + 1, joined, alive, given)
+                        op.result = (joined, new)
+                    op.done = True
+                    self._cv.notify_all()
+                if op.done:
+                    return op.result  # type: ignore[no-any-return]
+                self._wait(deadline, comm, key, op)
+
 
 class FakeComm:
     """One simulated rank's communicator: keeps :class:`~lightning_recover.recovery.interface.ReplicaComm`."""
 
-    def __init__(self, world: FakeWorld, rank: int) -> None:
+    def __init__(self, world: FakeWorld, rank: int, life: int = 0) -> None:
         self._world = world
-        self.rank = rank  # original world rank, never changes
+        self.rank = rank  # original world rank, never changes (a replacement takes it again)
+        self.life = life  # 0: started with the job; n: the n-th replacement of this rank
         self.replica = world.layout.replica_of(rank)
         self.shard = world.layout.shard_of(rank)
-        self.world_epoch = 0
-        self.alive_replicas: tuple[int, ...] = tuple(range(world.layout.replicas))
+        # A replacement is in no world until a merge admits it.
+        self.world_epoch: int | None = 0 if life == 0 else None  # type: ignore[assignment]
+        self.alive_replicas: tuple[int, ...] = tuple(range(world.layout.replicas)) if life == 0 else ()
         self.lost_ranks: tuple[int, ...] = ()
         # Per-rank call counters, the coordinates of a scripted Kill.
         self.reductions = 0
         self.world_reductions = 0
         self.agreements = 0
         self.repairs = 0
+        self.merges = 0
         self._seq: dict[tuple[int, str], int] = {}
 
     def __repr__(self) -> str:
-        return f"FakeComm(rank={self.rank}, replica={self.replica}, shard={self.shard}, world_epoch={self.world_epoch})"
+        return (
+            f"FakeComm(rank={self.rank}, life={self.life}, replica={self.replica}, shard={self.shard}, "
+            f"world_epoch={self.world_epoch})"
+        )
 
     # ------------------------------------------------------------------ membership
     @property
@@ -406,6 +579,59 @@ class FakeComm:
     def is_leader(self) -> bool:
         """Rank 0 of the current world, as the real communicator defines it (the lowest live rank)."""
         return self.rank == min(self.members)
+
+    # ------------------------------------------------------------------ re-join
+    def merge(self, payload: Any = None, *, wait_for: Collection[int] = ()) -> Merged:
+        """Survivors, at a step boundary: admit the replacements that are ready (see the module docstring).
+
+        Every member calls it with the same ``wait_for`` (replicas to wait for, ready or
+        dead: tests use it to pin the boundary a join lands on). A joiner rank receives the
+        ``payload`` of the lowest member holding its shard. Raises :class:`PeerFailure` on every survivor alike if a member
+        died: repair, then merge again (the joiners keep waiting).
+        """
+        w = self._world
+        w._enter(self, "merge")
+        self.merges += 1
+        w._maybe_kill(self, "merge", self.merges)
+        t0 = time.perf_counter()
+        epoch = self.world_epoch
+        key = (epoch, "merge", self._next("merge"))
+        result = w._merge(self, key, self.members, payload, tuple(sorted(set(wait_for))))
+        if result is None:
+            with w._cv:
+                raise w._failure(self, epoch, "merge")
+        joined, new = result
+        if joined:
+            self.world_epoch = epoch + 1
+            self.alive_replicas = tuple(sorted({w.layout.replica_of(r) for r in new}))
+        return Merged(self.world_epoch, joined, self.alive_replicas, time.perf_counter() - t0)
+
+    def join(self) -> Admission:
+        """A replacement: ready now; wait until a survivors' merge admits this replica."""
+        w = self._world
+        w._enter(self, "join")
+        if self.world_epoch is not None:
+            raise RuntimeError(f"rank {self.rank} is already a member (world epoch {self.world_epoch}); only a replacement joins")
+        w._maybe_kill(self, "join", 1)
+        t0 = time.perf_counter()
+        with w._cv:
+            w._ready.add(self.rank)
+            w._cv.notify_all()
+            # Survivors may take long (a whole step) to reach the boundary: a generous bound.
+            deadline = time.monotonic() + 4 * w.timeout
+            while self.rank not in w._admitted:
+                w._gate(self, "waiting to join")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(
+                        f"deadlock in FakeWorld: replacement rank {self.rank} (life {self.life}) waited "
+                        f"{4 * w.timeout:.1f}s in join() and no merge admitted it; dead: {w._describe_dead()}"
+                    )
+                w._cv.wait(min(left, 0.5))
+            epoch, joined, alive, payload = w._admitted.pop(self.rank)
+        self.world_epoch = epoch
+        self.alive_replicas = alive
+        return Admission(epoch, joined, alive, payload, time.perf_counter() - t0)
 
     def die(self, where: str = "own code") -> NoReturn:
         """End this rank now, like a SIGKILL from fault injection (raises :class:`RankDeath`)."""

@@ -20,6 +20,9 @@ on_boundary_step          after the policy re-planned a step hit by a failure; s
 on_before_commit          the step's reduction is agreed; last chance to refuse (raise)
                           before the sums reach the gradients and the optimizer
 on_step_committed         the optimizer stepped; ``record`` is the step's ledger line
+on_replicas_joined        between steps: replicas ``joins`` (:class:`~.state.Join`) entered
+                          the world and the policy; ``next_step`` is the first step they
+                          take part in (its record lists them in ``joined`` / ``joins``)
 ========================  =================================================================
 
 Pure Python: no Lightning import, so the engine is testable without a Trainer.
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_recover.recovery.interface import RepairResult
-    from lightning_recover.recovery.state import StepState
+    from lightning_recover.recovery.state import Join, StepState
 
 RECOVERY_HOOKS = (
     "on_before_reduce",
@@ -41,6 +44,7 @@ RECOVERY_HOOKS = (
     "on_boundary_step",
     "on_before_commit",
     "on_step_committed",
+    "on_replicas_joined",
 )
 
 #: ``dispatch(hook_name, *args)``: how the engine reaches the callbacks.
@@ -67,6 +71,9 @@ class RecoveryHooks:
 
     def on_step_committed(self, trainer: Any, pl_module: Any, record: dict[str, Any]) -> None:
         """The optimizer stepped; ``record`` is the step's ledger line."""
+
+    def on_replicas_joined(self, trainer: Any, pl_module: Any, joins: tuple[Join, ...], next_step: int) -> None:
+        """Between steps, ``joins`` were admitted; they take part from ``next_step`` on."""
 
 
 def dispatcher(

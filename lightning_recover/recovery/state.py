@@ -2,7 +2,9 @@
 
 :class:`StepState` is created by :meth:`StepEngine.begin` and dropped after the commit, so
 nothing of a step leaks into the next. Recovery callbacks read it and fill in their part
-(the reduction buffers, the stale-bucket count, the boundary schedule). Pure Python.
+(the reduction buffers, the stale-bucket count, the boundary schedule). :class:`Join` is
+one replica admitted at a step boundary (hot re-join), as the next step's ledger line
+records it. Pure Python.
 """
 
 from __future__ import annotations
@@ -12,6 +14,23 @@ from typing import Any
 
 from lightning_recover.policy import ReplicaPlan, StepPlan
 from lightning_recover.recovery.buckets import ReduceHandle
+
+
+@dataclass(frozen=True)
+class Join:
+    """One replica admitted at a step boundary, as the ledger's ``joins`` lists it.
+
+    The timings are what the communicator measured, None where it did not.
+    """
+
+    replica: int
+    #: Seconds the live state (model, optimizer, loop counters, policy) took to reach the joiner.
+    transfer_s: float | None = None
+    #: Seconds the survivors were blocked by this join (merge + transfer), the join's cost to them.
+    pause_s: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"replica": self.replica, "transfer_s": self.transfer_s, "pause_s": self.pause_s}
 
 
 @dataclass(frozen=True)
