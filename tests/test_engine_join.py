@@ -36,19 +36,8 @@ from lightning_recover.recovery.hooks import RecoveryHooks, dispatcher
 from lightning_recover.recovery.interface import PeerFailure
 from lightning_recover.recovery.state import Join
 
-SIZES = (5, 3)
-BUCKET_NUMEL = 2
-TIMEOUT_S = 10.0
-
-
-def grad_of(step: int, mb: int, shard: int) -> list[torch.Tensor]:
-    """The gradient of step-local microbatch ``mb``: small integers, so float64 sums are exact."""
-    gen = torch.Generator().manual_seed(step * 100_003 + mb * 17 + shard)
-    return [torch.randint(-64, 65, (n,), generator=gen).to(torch.float64) for n in SIZES]
-
-
-def loss_of(step: int, mb: int) -> float:
-    return float((step * 31 + mb * 7) % 97)
+# The same simulated gradients and losses as the step-engine suite, so the two compare.
+from test_engine import BUCKET_NUMEL, SIZES, TIMEOUT_S, grad_of, loss_of  # noqa: E402,F401
 
 
 @dataclass(frozen=True)
