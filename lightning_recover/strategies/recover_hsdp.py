@@ -448,7 +448,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     def _train_results(self) -> Any:
         # The fit loop's logged values; Lightning exposes no public handle on them (see step_logs).
         module = self.lightning_module
-        return module.trainer._results if module is not None and module._trainer is not None else None
+        return module.trainer._results if module is not None else None
 
     def _start_logging(self) -> None:
         self._step_logs.start(self._train_results())
