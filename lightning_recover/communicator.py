@@ -27,6 +27,11 @@ when a :class:`FaultTolerantComm` is built.
   survivor, so a further death while repairing just costs another round. Ranks MPI
   declared dead are then fenced (:func:`lightning_recover.lifecycle.kill_process`): one
   that was only hung must never come back as a member.
+* ``grow(merged)`` installs a world that replacement ranks were merged into (hot re-join,
+  :mod:`lightning_recover.rejoin`): a joiner takes the *logical* rank of a lost replica's
+  rank, so ranks are named by logical rank everywhere (the original world rank until a
+  replacement takes it over) and the layout never changes. The survivors keep their order
+  (the leader stays) and the joiners come after them; every later repair keeps that order.
 * **Replica-consistency gate**: a rank that learns a rank of its own replica died leaves
   at once through :func:`lightning_recover.lifecycle.gate_exit`, so other replicas only
   ever see whole replicas go.
@@ -66,6 +71,11 @@ DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 # MPI has native sum support for these; 16-bit floats are widened to fp32 first.
 _NATIVE = {torch.float32: np.float32, torch.float64: np.float64, torch.int32: np.int32, torch.int64: np.int64}
 _WIDEN = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
+def _this_process() -> tuple[str, int, str | None]:
+    """Host, pid and start time of this process: what fencing needs to never hit a recycled pid."""
+    return (socket.gethostname(), os.getpid(), lifecycle.process_start_time(os.getpid()))
 
 
 def _mpi() -> ModuleType:
@@ -144,24 +154,78 @@ class FaultTolerantComm:
             raise ValueError(f"bucket_bytes must be >= 4, got {bucket_bytes}")
         if not ulfm_available():
             raise ULFMUnavailableError(_ulfm_unavailable_message())
-        self.layout = layout
-        self.bucket_bytes = bucket_bytes
-        #: Membership generation: 0 at start, +1 per repair. Buckets are tagged with it.
-        self.world_epoch = 0
-        self.rank = base.Get_rank()  # original world rank, never changes
-        self.replica = layout.replica_of(self.rank)
-        self.shard = layout.shard_of(self.rank)
-        self._orig_group = base.Get_group()
+        self._setup(layout, base.Get_rank(), bucket_bytes)
         self.world = base.Dup()
         self.world.Set_errhandler(MPI.ERRORS_RETURN)
+        self._base_group = base.Get_group()
+        self._ids = tuple(range(base.Get_size()))
         self.shard_comm = self._split_shard(self.world)
-        self.alive_replicas: tuple[int, ...] = tuple(range(layout.replicas))
+        self.alive_replicas = tuple(range(layout.replicas))
+        self._procs = dict(enumerate(self.world.allgather(_this_process())))
+
+    def _setup(self, layout: RankLayout, rank: int, bucket_bytes: int) -> None:
+        self.layout = layout
+        self.bucket_bytes = bucket_bytes
+        #: Membership generation: 0 at start, +1 per repair or join. Buckets are tagged with it.
+        self.world_epoch = 0
+        #: Logical rank: the original world rank, or the lost rank a replacement took over. Never changes.
+        self.rank = rank
+        self.replica = layout.replica_of(rank)
+        self.shard = layout.shard_of(rank)
+        self.alive_replicas: tuple[int, ...] = ()
+        # The group logical ranks are translated through, and each of its ranks' logical rank.
+        self._base_group: MPI.Group | None = None
+        self._ids: tuple[int, ...] = ()
         # Where every rank runs and which process it is, so a rank declared dead while
         # merely hung can be fenced off without ever hitting a recycled pid.
-        me = (socket.gethostname(), os.getpid(), lifecycle.process_start_time(os.getpid()))
-        self._procs: list[tuple[str, int, str | None]] = self.world.allgather(me)
+        self._procs: dict[int, tuple[str, int, str | None]] = {}
         #: Called with a point name ("repair:shrunk", ...) -- the hook fault injection uses.
         self.fault_hook: Callable[[str], None] | None = None
+
+    @classmethod
+    def joiner(cls, layout: RankLayout, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> FaultTolerantComm:
+        """A replacement rank's communicator: it has no world until :meth:`grow` installs the merged one."""
+        if not ulfm_available():
+            raise ULFMUnavailableError(_ulfm_unavailable_message())
+        self = cls.__new__(cls)
+        self._setup(layout, rank, bucket_bytes)
+        self.world = self.shard_comm = None  # type: ignore[assignment]
+        return self
+
+    def grow(self, merged: MPI.Intracomm) -> bool:
+        """Make ``merged`` (this world's survivors, then the joiners) the world; collective over ``merged``.
+
+        Every member calls it, joiners included (those built by :meth:`joiner`). Returns
+        False on every member -- and changes nothing -- when a member died meanwhile (the
+        survivors' world stays as it was; the joiners leave). On success the world epoch
+        advances past every member's and ``alive_replicas`` counts the joiners' replicas.
+        """
+        MPI = _mpi()
+        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        rows: list[tuple[int, int, tuple[str, int, str | None]]] = []
+        shard = None
+        ok = 1
+        try:
+            rows = merged.allgather((self.rank, self.world_epoch, _this_process()))
+            shard = merged.Split(self.shard, self.replica)
+        except MPI.Exception:
+            ok = 0
+        try:
+            # Uniform: a failure one member saw makes every member give up.
+            ok = int(merged.Agree(ok))
+        except MPI.Exception:
+            ok = 0
+        if not ok:
+            return False
+        assert shard is not None
+        shard.Set_errhandler(MPI.ERRORS_RETURN)
+        self.world, self.shard_comm = merged, shard
+        self._base_group = merged.Get_group()
+        self._ids = tuple(r for r, _, _ in rows)
+        self._procs.update({r: proc for r, _, proc in rows})
+        self.world_epoch = max(e for _, e, _ in rows) + 1
+        self.alive_replicas = tuple(self.layout.complete_replicas(self._ids))
+        return True
 
     # ------------------------------------------------------------------ membership
     @property
@@ -181,9 +245,15 @@ class FaultTolerantComm:
     def _orig_ranks(self, comm: MPI.Comm) -> tuple[int, ...]:
         group = comm.Get_group()
         try:
-            return tuple(_mpi().Group.Translate_ranks(group, list(range(group.Get_size())), self._orig_group))
+            return self._logical(group)
         finally:
             group.Free()
+
+    def _logical(self, group: MPI.Group) -> tuple[int, ...]:
+        """The logical ranks of ``group``'s members (a member outside the base group is left out)."""
+        undefined = _mpi().UNDEFINED
+        base = _mpi().Group.Translate_ranks(group, list(range(group.Get_size())), self._base_group)
+        return tuple(self._ids[r] for r in base if r != undefined)
 
     def known_failed(self) -> tuple[int, ...]:
         """Original ranks this rank has been told are dead in the current world (local view)."""
@@ -196,12 +266,11 @@ class FaultTolerantComm:
             except MPI.Exception:
                 continue
             try:
-                n = group.Get_size()
-                if n:
-                    out.update(MPI.Group.Translate_ranks(group, list(range(n)), self._orig_group))
+                if group.Get_size():
+                    out.update(self._logical(group))
             finally:
                 group.Free()
-        return tuple(sorted(r for r in out if r != MPI.UNDEFINED))
+        return tuple(sorted(out))
 
     def _split_shard(self, world: MPI.Comm) -> MPI.Comm:
         comm = world.Split(self.shard, self.replica)
@@ -219,6 +288,10 @@ class FaultTolerantComm:
         dead = self.known_failed()
         self.check_gate(dead, reason=f"MPI error during {where}")
         return PeerFailure(dead, where, cls)
+
+    def fail_for(self, where: str, exc: MPI.Exception) -> PeerFailure:
+        """The :class:`PeerFailure` for an MPI error of a caller's own point-to-point traffic on :attr:`world`."""
+        return self._fail(where, exc)
 
     @staticmethod
     def _revoke(*comms: MPI.Comm) -> None:
@@ -382,6 +455,26 @@ class FaultTolerantComm:
             if host is not t:
                 t.copy_(host)
 
+    def broadcast_codes(self, codes: Sequence[int], root: int = 0) -> list[int]:
+        """Broadcast a few integers from current-world rank ``root`` (a buffer broadcast: no pickling)."""
+        MPI = _mpi()
+        buf = np.array(list(codes), dtype=np.int64)
+        try:
+            self.world.Bcast([buf, MPI.INT64_T], root=root)
+        except MPI.Exception as exc:
+            raise self._fail("broadcast", exc) from None
+        return [int(v) for v in buf]
+
+    def duplicate_world(self) -> MPI.Intracomm:
+        """A duplicate of the world (collective) with errors returned, for traffic apart from the step's."""
+        MPI = _mpi()
+        try:
+            dup = self.world.Dup()
+        except MPI.Exception as exc:
+            raise self._fail("duplicating the world", exc) from None
+        dup.Set_errhandler(MPI.ERRORS_RETURN)
+        return dup
+
     def bcast_object(self, obj: object, root: int = 0) -> object:
         """Broadcast a picklable object from current-world rank ``root``."""
         try:
@@ -422,8 +515,9 @@ class FaultTolerantComm:
             ok = 1
             world = shard = None
             try:
-                # Both splits are taken on `shrunk`, so one rank's Revoke releases everyone.
-                world = shrunk.Split(0 if mine_ok else MPI.UNDEFINED, self.rank)
+                # Both splits are taken on `shrunk`, so one rank's Revoke releases everyone. The
+                # world keeps its order (Shrink does too): the leader moves only when it is lost.
+                world = shrunk.Split(0 if mine_ok else MPI.UNDEFINED, shrunk.Get_rank())
                 shard = shrunk.Split(self.shard if mine_ok else MPI.UNDEFINED, self.replica)
             except MPI.Exception:
                 ok = 0

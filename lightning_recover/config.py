@@ -177,6 +177,16 @@ class RecoverConfig:
         stuck_timeout_s: also kill a rank making no progress inside a step's compute for
             this long. None = the hang timeout; 0 = off. See :meth:`watchdog_timeouts`.
         checkpoint: the fallback checkpoints (:class:`CheckpointConfig`).
+        rejoin: hot re-join (:mod:`lightning_recover.rejoin`): after losing replicas the
+            job spawns replacements (the same interpreter and argv) up to the replica count
+            it started with; they receive the live state and take work back. Off by default.
+        rejoin_hosts: comma-separated hosts the replacements are placed on (Open MPI's
+            ``host`` spawn key, ``host:slots`` allowed); None = wherever the launch has
+            room, oversubscribing the launch's hosts.
+        rejoin_attempts: spawn attempts per lost replica before the job carries on without.
+        rejoin_backoff_s: wait after a failed attempt before the next (doubling each time).
+        rejoin_timeout_s: a replacement not ready to join this long after its spawn was
+            started is given up (it exits by itself; the attempt counts as failed).
     """
 
     shards: int = 1
@@ -191,6 +201,11 @@ class RecoverConfig:
     hang_timeout_s: float | None = None
     stuck_timeout_s: float | None = None
     checkpoint: CheckpointConfig = CheckpointConfig()
+    rejoin: bool = False
+    rejoin_hosts: str | None = None
+    rejoin_attempts: int = 3
+    rejoin_backoff_s: float = 5.0
+    rejoin_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         shards_fix = "set recover.shards to the ranks per replica (a divisor of the world size)"
@@ -228,6 +243,16 @@ class RecoverConfig:
             _set(self, "stuck_timeout_s", _number(
                 "stuck_timeout_s", self.stuck_timeout_s, stuck_fix, positive=False, finite=False, requirement=seconds
             ))
+        if not isinstance(self.rejoin, bool):
+            raise _refuse("rejoin", self.rejoin, "true or false", "set recover.rejoin=true to spawn replacements, false not to")
+        if self.rejoin_hosts is not None and (not isinstance(self.rejoin_hosts, str) or not self.rejoin_hosts.strip()):
+            raise _refuse("rejoin_hosts", self.rejoin_hosts, "a comma-separated host list", "e.g. recover.rejoin_hosts=node7,node8 (null: the launch's hosts)")
+        _set(self, "rejoin_attempts", _integer("rejoin_attempts", self.rejoin_attempts, 1, "set recover.rejoin_attempts to a positive integer"))
+        for key, fix in (
+            ("rejoin_backoff_s", "set recover.rejoin_backoff_s to the seconds between spawn attempts"),
+            ("rejoin_timeout_s", "set recover.rejoin_timeout_s to the seconds a replacement may take to start"),
+        ):
+            _set(self, key, _number(key, getattr(self, key), fix, positive=key == "rejoin_timeout_s", finite=True, requirement="a number of seconds"))
         if not isinstance(self.checkpoint, CheckpointConfig):
             raise ConfigurationError(
                 f"recover.checkpoint={self.checkpoint!r} is not a CheckpointConfig; "

@@ -54,6 +54,10 @@ def find_mpiexec() -> str:
     return found
 
 
+#: Open MPI's runtime setting that keeps spawned processes (replacement ranks) recoverable.
+RECOVERABLE_SPAWNS = ("--prtemca", "state_base_recoverable", "1")
+
+
 def build_command(
     nprocs: int,
     command: Sequence[str],
@@ -69,7 +73,9 @@ def build_command(
     if not command:
         raise ValueError("no command given; usage: lightning-recover launch -n N -- python train.py ...")
     cores = cores if cores is not None else (os.cpu_count() or 1)
-    argv = [mpiexec or find_mpiexec(), "--with-ft", "ulfm", "-n", str(nprocs)]
+    # --with-ft marks only the launched job recoverable; without the prtemca a replacement rank
+    # (hot re-join spawns them) that dies or exits without MPI_Finalize would end the whole job.
+    argv = [mpiexec or find_mpiexec(), "--with-ft", "ulfm", *RECOVERABLE_SPAWNS, "-n", str(nprocs)]
     if nprocs > cores:
         argv.append("--oversubscribe")
     if hang_timeout is not None:

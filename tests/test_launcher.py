@@ -26,7 +26,7 @@ def _mca(argv: list[str]) -> dict[str, str]:
 # ------------------------------------------------------------------------------ build_command
 def test_basic_command() -> None:
     argv = build_command(4, ["python", "train.py", "--lr", "1e-3"], cores=8, mpiexec=MPIEXEC)
-    assert argv == [MPIEXEC, "--with-ft", "ulfm", "-n", "4", "python", "train.py", "--lr", "1e-3"]
+    assert argv == [MPIEXEC, "--with-ft", "ulfm", "--prtemca", "state_base_recoverable", "1", "-n", "4", "python", "train.py", "--lr", "1e-3"]
 
 
 @pytest.mark.parametrize(("n", "cores", "over"), [(1, 1, False), (2, 2, False), (3, 2, True), (4, 2, True), (16, 64, False), (65, 64, True)])
@@ -159,7 +159,7 @@ def test_launch_runs_two_real_ranks_and_prints_the_command() -> None:
     printed = [line for line in res.stderr.splitlines() if line.startswith("[lightning-recover] ")]
     assert printed, res.stderr
     argv = shlex.split(printed[0][len("[lightning-recover] "):])
-    assert argv[1:5] == ["--with-ft", "ulfm", "-n", "2"]
+    assert argv[1:8] == ["--with-ft", "ulfm", "--prtemca", "state_base_recoverable", "1", "-n", "2"]
     assert argv[-3:] == [sys.executable, "-c", probe]
     assert "mpi_ft_detector" not in argv  # the ULFM detector only on request (--mpi-detector)
 

@@ -17,7 +17,11 @@ ULFM communicator. The protocol itself is the step engine's
    microbatches and reduces until one membership commits; only then do
    ``on_before_optimizer_step``, gradient clipping and ``optimizer.step`` run, on the
    reduced gradient divided by the constant ``B * S``.
-4. The engine's recovery hooks are dispatched to every callback in ``trainer.callbacks``
+4. With ``rejoin=True`` every step boundary (``on_train_batch_start``) gives the
+   :class:`~lightning_recover.rejoin.Recruiter` its turn: replacements for lost replicas are
+   spawned while the survivors train, and admitted once ready -- Lightning's checkpoint,
+   dumped in memory, goes to them over MPI, and Lightning restores it as from a file.
+5. The engine's recovery hooks are dispatched to every callback in ``trainer.callbacks``
    that implements them (:mod:`lightning_recover.recovery.hooks`); the default protocol
    callbacks are installed before Lightning's setup hooks run.
 
@@ -32,8 +36,10 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +53,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_recover import lifecycle
+from lightning_recover import lifecycle, rejoin
 from lightning_recover.callbacks import BoundaryScheduler, BufferSync, EpochCheck, ReductionBuffers, fallback_checkpoint
 from lightning_recover.callbacks.checkpoint import is_fallback
 from lightning_recover.communicator import FaultTolerantComm
@@ -60,6 +66,7 @@ from lightning_recover.policy import WorkloadPolicy, make_policy
 from lightning_recover.recovery.engine import StepEngine
 from lightning_recover.recovery.hooks import dispatcher
 from lightning_recover.recovery.interface import RepairResult
+from lightning_recover.recovery.state import Join
 from lightning_recover.strategies import checkpoint_io
 from lightning_recover.strategies.environment import ReplicaEnvironment
 from lightning_recover.strategies.evaluation_loader import EvaluationLoader
@@ -166,6 +173,10 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         #: Inside validation_step / test_step / predict_step (their batches differ in number across ranks).
         self._evaluating_batch = False
         self._eval_batches = 0
+        self.recruiter: rejoin.Recruiter | None = None
+        #: This process is a replacement that has not run its first step yet: the survivors are
+        #: past the setup-time collectives it would otherwise ask them for (see _join_world).
+        self._joining: rejoin.Joining | None = None
 
     # ------------------------------------------------------------------ ranks
     @property
@@ -179,11 +190,15 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     @override
     def global_rank(self) -> int:
         # The rank in the *current* world: when rank 0's replica dies, the lowest survivor becomes 0.
+        if self.comm is not None and self.comm.world is None:
+            return self.comm.layout.world_size  # a replacement not admitted yet is nobody's rank zero
         return self.comm.world_rank if self.comm is not None else self.cluster_environment.global_rank()  # type: ignore[union-attr]
 
     @property
     @override
     def world_size(self) -> int:
+        if self.comm is not None and self.comm.world is None:
+            return self.comm.layout.world_size
         return self.comm.world.Get_size() if self.comm is not None else self.cluster_environment.world_size()  # type: ignore[union-attr]
 
     @property
@@ -245,7 +260,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         # fit, validate, test and predict each call this; the job's MPI world, process group
         # and engine are made once, by the first.
         if self.comm is None:
-            self._start_rank()
+            joining = rejoin.seat()
+            if joining is None:
+                self._start_rank()
+            else:
+                self._start_replacement(joining)
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         # Data placement is ours (the planner for training, an exactly-once split for
         # evaluation); Lightning's DistributedSampler would pad with duplicates. The Trainer
@@ -290,6 +309,66 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         )
         if c.ledger_path is not None:
             self.ledger = LeaderLedger(c.ledger_path)
+        if c.rejoin:
+            self.recruiter = self._make_recruiter()
+
+    def _make_recruiter(self) -> rejoin.Recruiter:
+        assert self.comm is not None and self.layout is not None
+        c, layout = self.config, self.layout
+
+        def context() -> dict[str, Any]:
+            trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+            return {
+                "world_size": layout.world_size, "timeout_s": c.rejoin_timeout_s,
+                "heartbeats": str(self.watchdog.dir) if self.watchdog is not None else None,
+                "logger_versions": [getattr(lg, "version", None) for lg in trainer.loggers],
+            }
+
+        return rejoin.Recruiter(
+            self.comm, hosts=c.rejoin_hosts, attempts=c.rejoin_attempts, backoff_s=c.rejoin_backoff_s,
+            timeout_s=c.rejoin_timeout_s, context=context,
+        )
+
+    def _start_replacement(self, joining: rejoin.Joining) -> None:
+        """This process replaces a lost rank: everything of ``_start_rank`` that needs no survivor.
+
+        It becomes a member of the world in ``setup`` (:meth:`_join_world`), once its model
+        and optimizer exist to receive the live state."""
+        from mpi4py import MPI
+
+        lifecycle.install_crash_hook(joining.rank)
+        self._refuse_several_devices()
+        c = self.config
+        world_size = int(joining.seat.context["world_size"])
+        self.layout = layout = RankLayout(world_size, c.shards)
+        self.comm = FaultTolerantComm.joiner(layout, joining.rank, bucket_bytes=self.bucket_bytes)
+        self._joining = joining
+        # Replaced by the donor's state before the first step; B and G_init are the job's.
+        self.policy = make_policy(c.policy, layout.replicas, c.grad_accum, T=c.target_replicas, min_replicas=c.min_replicas)
+        if self.hang_timeout_s:
+            # The survivors' heartbeat directory: this process belongs to another MPI job id.
+            beats = joining.seat.context.get("heartbeats")
+            self.watchdog = HangWatchdog(
+                self.comm.rank, self.hang_timeout_s, stuck_timeout=self.stuck_timeout_s, directory=Path(beats) if beats else None
+            ).start()
+        # The replica-local group among this replica's replacements (all spawned together).
+        mates = joining.children.Split(layout.replica_of(joining.rank), layout.shard_of(joining.rank))
+        mates.Set_errhandler(MPI.ERRORS_RETURN)
+        init_replica_group(self.comm, c.shards, c.timeout_s, "nccl" if self.root_device.type == "cuda" else "gloo", gather=mates.allgather)
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        self.probes = StrategyProbes(self.comm.rank, self.watchdog, lambda: trainer.callbacks)
+        dispatch = dispatcher(lambda: trainer.callbacks, lambda: (trainer, self.lightning_module))
+        self.engine = StepEngine(
+            self.comm, self.policy, shards=c.shards, dispatch=dispatch, probes=self.probes, on_repair=self._on_repair
+        )
+        if c.ledger_path is not None:
+            self.ledger = LeaderLedger(c.ledger_path)
+        # The survivors agreed on the loggers' versions at their start; take theirs, so this
+        # rank's callbacks (ModelCheckpoint's directory) resolve the same paths.
+        for lg, version in zip(trainer.loggers, joining.seat.context.get("logger_versions", [])):
+            if hasattr(lg, "_version") and version is not None:
+                lg._version = version
 
     def _refuse_several_devices(self) -> None:
         """One process drives one device here; Trainer(devices=N) would otherwise be silently ignored."""
@@ -326,8 +405,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        self._sync_logger_versions(trainer)
         self._route_metric_sync(self.lightning_module)
+        if self._joining is not None:
+            self._join_world(trainer, self._joining)
+            return
+        self._sync_logger_versions(trainer)
         self._sync_initial_state()
 
     def _validate_trainer(self, trainer: Trainer) -> None:
@@ -368,6 +450,101 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         if counts:  # the same loggers are new on every rank
             # A leader dying in this broadcast leaves the successor's None: its file was just started.
             self._leader_logs.set_bases(self.broadcast(counts if leader else None, 0) or [0] * len(counts))
+
+    # ------------------------------------------------------------------ hot re-join
+    def _join_world(self, trainer: Trainer, joining: rejoin.Joining) -> None:
+        """A replacement: wait for the survivors' GO, grow the world with them, receive the live state.
+
+        The state is the donor replica's Lightning checkpoint; Lightning restores it right
+        after ``setup`` as it restores a ``ckpt_path`` (model, optimizers, schedulers, loops,
+        callbacks), and the policy and planner are taken over as on a resume."""
+        from lightning_recover import joiner
+
+        assert self.comm is not None and self.engine is not None and self.layout is not None
+        assert self.probes is not None
+        with self.probes.waiting():
+            go = rejoin.await_admission(joining)
+        if not go:
+            rejoin.give_up(joining, "the survivors dropped this re-join attempt")
+        if not self.comm.grow(joining.merged):
+            rejoin.give_up(joining, "a member died while the world grew")
+        joiner.admitted()
+        lifecycle.start_rank(self.comm.rank, self.layout.world_size, end_of_job=self.shutdown)
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+        replicas = sorted({self.layout.replica_of(r) for r in joining.seat.ranks})
+        comm, layout = self.comm, self.layout
+        started = time.perf_counter()
+
+        def receive() -> dict[str, Any]:
+            live = [r for r in replicas if r in comm.alive_replicas]
+            donor, _ = rejoin.donor_and_recipients(comm, live)
+            source = comm.members.index(layout.rank_of(donor, comm.shard))
+            return rejoin.recv_state(comm, source, self._device_mesh if self.config.shards > 1 else None, self.root_device)
+
+        checkpoint = self.engine.run_collective(receive)
+        state = checkpoint[checkpoint_io.STATE_KEY]
+        self._take_over(state)
+        self.engine.admit([Join(r) for r in replicas if r in comm.alive_replicas])
+        # Lightning restores a loaded checkpoint right after setup (restore_checkpoint_after_setup);
+        # it has no public way to hand it one from memory, so the connector's slot is filled as
+        # resume_start would fill it from a file.
+        trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+        self.recruiter = self._make_recruiter() if self.config.rejoin else None
+        log.info("joined as rank %d after %.2f s of state transfer", comm.rank, time.perf_counter() - started)
+
+    def _take_over(self, state: dict[str, Any]) -> None:
+        """A replacement takes the donor's protocol state: policy, sample order, fault count, RNG."""
+        assert self.policy is not None and self.engine is not None
+        self.policy.load_state_dict(state["policy"])
+        self.engine.faults_seen = int(state.get("faults_seen", 0))
+        self._resume = state  # process_dataloader loads the planner from it
+        torch.set_rng_state(state["rng"]["torch"])
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """The step boundary of hot re-join: the recruiter's turn (see :mod:`lightning_recover.rejoin`)."""
+        if self.recruiter is None or self.engine is None or self._joining is not None:
+            return
+        recruiter = self.recruiter
+        # Never at an epoch's first step: Lightning would restore the replacement's loop into the previous epoch.
+        attempt = self.engine.run_collective(lambda: recruiter.boundary(can_admit=batch_idx > 0))
+        if attempt is not None:
+            self._admit(attempt)
+
+    def _admit(self, attempt: rejoin.JoinAttempt) -> None:
+        """Survivors: grow the world with the ready replacements and send them the live state."""
+        assert self.recruiter is not None and self.engine is not None and self.comm is not None
+        comm = self.comm
+        started = time.perf_counter()
+        if not self.recruiter.admit(attempt):
+            return
+        grown = time.perf_counter()
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+
+        def live() -> list[int]:
+            return [r for r in attempt.replicas if r in comm.alive_replicas]
+
+        def transfer() -> None:
+            donor, to = rejoin.donor_and_recipients(comm, live())
+            if self.replica == donor:
+                # Lightning's own checkpoint of this moment (what trainer.save_checkpoint writes;
+                # dump_checkpoint has no public alias), plus the protocol's state.
+                checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+                state = checkpoint[checkpoint_io.STATE_KEY] = self._recover_state()
+                state["faults_seen"] = self.faults_seen
+                with self.replica_guard("state transfer"):
+                    rejoin.send_state(comm, checkpoint, to[comm.shard])
+
+        self.engine.run_collective(transfer)
+        done = time.perf_counter()
+        joins = self.engine.admit([Join(r, transfer_s=done - grown, pause_s=done - started) for r in live()])
+        self._on_membership()
+        if self.global_rank == 0:
+            print(
+                f"[lightning-recover] world epoch {comm.world_epoch}: replica(s) {[j.replica for j in joins]} re-joined "
+                f"(state transfer {done - grown:.2f} s, survivors paused {done - started:.2f} s); alive {list(comm.alive_replicas)}",
+                file=sys.stderr, flush=True,
+            )
 
     def _sync_initial_state(self) -> None:
         """Every replica starts from the lowest replica's weights, seeded or not (shard by shard)."""
@@ -439,6 +616,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             return super().training_step(*args, **kwargs)
         assert self.engine is not None
         self._batch_idx = args[1] if len(args) > 1 else 0
+        self._joining = None  # a replacement's first step: from here on it is a member like any other
         step = self.engine.begin(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
         self._log_bases = self._step_logs.begin_step(self._train_results())
         with self._abandon_step_on_error():
@@ -592,6 +770,13 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             lm.log("world_epoch", float(self.comm.world_epoch), prog_bar=True, on_step=True, rank_zero_only=True)
             lm.log("faults", float(self.faults_seen), prog_bar=True, on_step=True, rank_zero_only=True)
 
+    def _on_membership(self) -> None:
+        """The world changed (a repair or a join): Lightning's rank-zero gates and the log scaling follow."""
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+        self._step_logs.rescale(self.world_size)
+        if self._leader_logs is not None:
+            self._leader_logs.leadership(self.global_rank == 0)
+
     @contextmanager
     def _abandon_step_on_error(self) -> Iterator[None]:
         """A step left by an exception (below min_replicas, a user error) is no longer computing."""
@@ -604,10 +789,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
     def _on_repair(self, res: RepairResult) -> None:
         """A repair moved leadership, perhaps to this rank: Lightning's rank-zero gates follow."""
-        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
-        self._step_logs.rescale(self.world_size)
-        if self._leader_logs is not None:
-            self._leader_logs.leadership(self.global_rank == 0)
+        self._on_membership()
+        if self.recruiter is not None and self.recruiter.attempt is not None:
+            self.recruiter.drop(f"the survivors' world was repaired (lost replica(s) {list(res.lost_replicas)})")
         if self.comm is not None and self.global_rank == 0:
             print(
                 f"[lightning-recover] world epoch {self.comm.world_epoch}: lost replica(s) {list(res.lost_replicas)}; "
@@ -632,7 +816,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives for Lightning
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
-        if not isinstance(tensor, Tensor) or self.comm is None or self.engine is None:
+        if not isinstance(tensor, Tensor) or self.comm is None or self.engine is None or self._joining is not None:
             return tensor
         st = self.engine.state
         if st is not None and not st.agreed:
@@ -664,19 +848,19 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
     @override
     def barrier(self, name: str | None = None) -> None:
-        if self.comm is not None and self.engine is not None:
+        if self.comm is not None and self.engine is not None and self._joining is None:
             self.engine.run_collective(self.comm.barrier)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if self.comm is None or self.engine is None:
+        if self.comm is None or self.engine is None or self._joining is not None:
             return obj
         comm = self.comm
         return self.engine.run_collective(lambda: comm.bcast_object(obj, root=src))
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        if self.comm is None or self.engine is None:
+        if self.comm is None or self.engine is None or self._joining is not None:
             return tensor.unsqueeze(0)
         comm = self.comm
         parts = self.engine.run_collective(lambda: comm.allgather_object(tensor.detach().cpu()))

@@ -10,16 +10,29 @@ replica-mate died, which the replica-consistency gate turns into a clean exit.
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
 from lightning_recover.communicator import FaultTolerantComm
 
 
-def init_replica_group(comm: FaultTolerantComm, shards: int, timeout_s: float, backend: str) -> None:
-    """``init_process_group`` over this replica's ranks, on a TCPStore hosted by its shard 0."""
-    hosts = comm.allgather_object(socket.gethostname())
+def init_replica_group(
+    comm: FaultTolerantComm, shards: int, timeout_s: float, backend: str, gather: Callable[[Any], list[Any]] | None = None
+) -> None:
+    """``init_process_group`` over this replica's ranks, on a TCPStore hosted by its shard 0.
+
+    ``gather`` collects one value from each rank of this replica, by shard; the default
+    gathers over the job's first world (where world rank = logical rank). A replacement
+    passes its own (its world does not exist yet)."""
+    if gather is None:
+        def gather(obj: Any) -> list[Any]:
+            rows = comm.allgather_object(obj)
+            return [rows[comm.layout.rank_of(comm.replica, s)] for s in range(shards)]
+
+    hosts = gather(socket.gethostname())
     addr = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname())
     timeout = timedelta(seconds=timeout_s)
     store = None
@@ -27,8 +40,7 @@ def init_replica_group(comm: FaultTolerantComm, shards: int, timeout_s: float, b
         # Port 0: the OS picks a free port at bind time, so no other process can take it
         # between choosing and binding; the port actually bound is then shared.
         store = dist.TCPStore(addr, 0, shards, is_master=True, timeout=timeout, wait_for_workers=False)
-    table = comm.allgather_object((addr, store.port if store is not None else 0))
-    master_addr, master_port = table[comm.layout.rank_of(comm.replica, 0)]  # type: ignore[misc]
+    master_addr, master_port = gather((addr, store.port if store is not None else 0))[0]
     if store is None:
         store = dist.TCPStore(master_addr, int(master_port), shards, is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=store, rank=comm.shard, world_size=shards, timeout=timeout)

@@ -57,6 +57,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pause", default=None, metavar="RANK:SECONDS", help="that rank sleeps after step 0 (slow, not stuck)")
     ap.add_argument("--num-workers", type=int, default=0, help="DataLoader(num_workers=...); loads are recorded under $LR_TEST_OUT/loads")
     ap.add_argument("--persistent-workers", action="store_true", help="DataLoader(persistent_workers=True)")
+    ap.add_argument("--rejoin", action="store_true", help="hot re-join: replace lost replicas (backoff 0.5 s)")
+    ap.add_argument("--slow-while-degraded", type=float, default=0.0, metavar="SECONDS",
+                    help="every rank sleeps this long after each step while replicas are missing (lets replacements start on 2 cores)")
     return ap.parse_args(argv)
 
 
@@ -69,6 +72,19 @@ class PauseAfterFirstStep(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
         if trainer.global_step == 1 and int(os.environ["OMPI_COMM_WORLD_RANK"]) == self.rank:
+            time.sleep(self.seconds)
+
+
+class SlowWhileDegraded(L.Callback):
+    """Sleep after each step while fewer replicas than at launch are live: the 2-core test machine
+    then has room for a replacement to import torch before the run is over."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        comm = trainer.strategy.comm  # type: ignore[attr-defined]
+        if len(comm.alive_replicas) < comm.layout.replicas:
             time.sleep(self.seconds)
 
 
@@ -162,11 +178,13 @@ def main() -> None:
         shards=args.shards, grad_accum=args.grad_accum, target_replicas=args.target, policy=args.policy,
         ledger_path=out / "ledger.jsonl", seed=args.seed, bucket_mb=0.01, min_replicas=args.min_replicas,
         checkpoint_dir=args.ckpt_dir, checkpoint_every_n_steps=args.ckpt_every,
+        rejoin=args.rejoin, rejoin_backoff_s=0.5, rejoin_timeout_s=60.0,
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,
         callbacks=[FaultInjection(json.loads(args.faults))] + ([PauseAfterFirstStep(args.pause)] if args.pause else [])
-        + ([LostReplicaAlert(out)] if args.alerts else []) + user_ckpt, logger=LeaderCSVLogger(out, name="logs"),
+        + ([LostReplicaAlert(out)] if args.alerts else []) + user_ckpt
+        + ([SlowWhileDegraded(args.slow_while_degraded)] if args.slow_while_degraded else []), logger=LeaderCSVLogger(out, name="logs"),
         enable_checkpointing=bool(user_ckpt), enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=1.0, num_sanity_val_steps=0, log_every_n_steps=1,
     )

@@ -1,0 +1,468 @@
+"""Hot re-join over ULFM: replacement replicas start while the survivors train, and join at a step boundary.
+
+A job that lost replicas spawns replacements (``recover.rejoin=true``), up to the replica
+count it started with. A replacement takes the *logical ranks* of a lost replica (the
+layout never changes) and runs the same program: the interpreter and the original argv,
+behind ``python -m lightning_recover.joiner`` (:mod:`lightning_recover.joiner`), which
+initializes MPI and merges with the survivors *before* the script imports torch.
+
+One join attempt, as every survivor runs it (the leader decides at each step boundary and
+broadcasts its decision, one small broadcast per step while replicas are missing)::
+
+    START    every survivor duplicates its world and, in a background thread, Spawns
+             k = missing replicas x S processes on the duplicate and Merges them (survivors
+             first). Spawn returns once the children initialized MPI (about the start of a
+             bare interpreter); the survivors' step loop never waits for it.
+    (wait)   each replacement runs the user's script; its strategy builds the model and the
+             optimizer, sends READY to the merged communicator's rank 0 and waits for GO.
+    ADMIT    at the first step boundary after every replacement is READY (never an epoch's
+             first step): the leader sends GO; every member calls
+             :meth:`FaultTolerantComm.grow` on the merged communicator; the donor replica
+             (the lowest veteran) sends Lightning's own checkpoint, dumped in memory, shard
+             by shard (:func:`send_state` / :func:`recv_state`); every rank admits the new
+             replicas into the policy (:meth:`StepEngine.admit`).
+    DROP     a replacement died (the leader's probe of the merged communicator fails), the
+             spawn failed, or the attempt passed ``rejoin_timeout_s``: the survivors drop
+             the merged communicator (never revoke it: on Open MPI 5.0.11 revoking a
+             communicator shared with a dead child wedged the survivors' next broadcast on
+             their own world), the leader tells live replacements ABORT, and the next
+             attempt waits ``rejoin_backoff_s`` (doubled per failure in a row). After
+             ``rejoin_attempts`` failures in a row the job carries on without.
+
+A repair of the survivors' world while an attempt is open drops it the same way (a
+survivor of the merged communicator is gone). A replacement that is never admitted leaves
+by itself after ``rejoin_timeout_s`` (the joiner's timer), so none outlives its attempt.
+A Spawn that never returns (a child killed before MPI_Init completed) leaves a parked
+daemon thread behind: the attempt is dropped by its timeout, bounded by the attempt limit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from lightning_recover.communicator import FaultTolerantComm
+from lightning_recover.recovery.interface import PeerFailure
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+__all__ = ["JoinAttempt", "Recruiter", "Seat", "recv_state", "send_state", "seat"]
+
+log = logging.getLogger(__name__)
+
+TAG_READY = 7301
+TAG_DECISION = 7302
+TAG_STATE = 7303
+GO, ABORT = 1, 0
+# The leader's per-boundary decision, broadcast to every survivor.
+NOTHING, START, ADMIT, DROP = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Seat:
+    """What a replacement is told when it is spawned (JSON in its argv)."""
+
+    #: Logical rank of each spawned process, in the order of the children's own world.
+    ranks: tuple[int, ...]
+    attempt: int
+    #: Wall-clock time the spawn started (the replacement's start-up time is measured from it).
+    spawned_at: float
+    #: What the survivors' setup broadcast that a replacement cannot take part in (logger versions).
+    context: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"ranks": list(self.ranks), "attempt": self.attempt, "spawned_at": self.spawned_at, "context": self.context})
+
+    @classmethod
+    def from_json(cls, text: str) -> Seat:
+        d = json.loads(text)
+        return cls(tuple(int(r) for r in d["ranks"]), int(d["attempt"]), float(d["spawned_at"]), dict(d.get("context", {})))
+
+
+@dataclass
+class Joining:
+    """This process is a replacement: its seat and the communicator it was merged into."""
+
+    seat: Seat
+    #: The children's own world (the replacements of this attempt), for their replica-local setup.
+    children: MPI.Intracomm
+    #: Survivors first, then the replacements; becomes the world at admission.
+    merged: MPI.Intracomm
+
+    @property
+    def rank(self) -> int:
+        """This process's logical rank."""
+        return self.seat.ranks[self.children.Get_rank()]
+
+
+_joining: Joining | None = None
+
+
+def seat() -> Joining | None:
+    """The seat this process was spawned into, or None for a rank of the original launch."""
+    return _joining
+
+
+def _set_joining(joining: Joining) -> None:
+    global _joining
+    _joining = joining
+
+
+def _mpi() -> Any:
+    from mpi4py import MPI
+
+    return MPI
+
+
+# ---------------------------------------------------------------------- survivor side
+@dataclass
+class JoinAttempt:
+    """One spawn attempt in flight: its per-attempt state, in one object."""
+
+    number: int
+    replicas: tuple[int, ...]
+    seat: Seat
+    #: Survivors in the merged communicator (the replacements are ranks ``survivors..``).
+    survivors: int
+    started: float = field(default_factory=time.monotonic)
+    thread: threading.Thread | None = None
+    merged: Any = None
+    error: str | None = None
+    #: Merged-communicator ranks that said READY (counted by the leader).
+    ready: set[int] = field(default_factory=set)
+
+    @property
+    def size(self) -> int:
+        return len(self.seat.ranks)
+
+    def joiner_ranks(self) -> range:
+        return range(self.survivors, self.survivors + self.size)
+
+
+class Recruiter:
+    """The survivors' side of hot re-join; :meth:`boundary` runs at every step boundary on every survivor."""
+
+    def __init__(
+        self,
+        comm: FaultTolerantComm,
+        *,
+        hosts: str | None,
+        attempts: int,
+        backoff_s: float,
+        timeout_s: float,
+        argv: Sequence[str] | None = None,
+        context: Callable[[], dict[str, Any]] = dict,
+    ) -> None:
+        self.comm = comm
+        self.hosts = hosts
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+        self.timeout_s = timeout_s
+        self.argv = list(sys.argv if argv is None else argv)
+        self.context = context
+        self.attempt: JoinAttempt | None = None
+        self.started_attempts = 0
+        self.failures_in_a_row = 0
+        self._next_try = 0.0
+        self._gave_up = False
+
+    @property
+    def missing(self) -> tuple[int, ...]:
+        """Replicas of the original layout that are not live."""
+        alive = set(self.comm.alive_replicas)
+        return tuple(r for r in range(self.comm.layout.replicas) if r not in alive)
+
+    def active(self) -> bool:
+        """Whether this boundary needs the leader's decision (the same answer on every survivor)."""
+        return self.attempt is not None or (bool(self.missing) and self.failures_in_a_row < self.attempts)
+
+    def boundary(self, can_admit: bool) -> JoinAttempt | None:
+        """The leader's decision, applied on every survivor. Returns the attempt to admit now, if any.
+
+        Collective over the survivors' world (wrap it in ``StepEngine.run_collective``);
+        a caller that gets an attempt runs the admission (:meth:`admit`) right away.
+        """
+        if not self.active():
+            return None
+        code = self._decide(can_admit) if self.comm.is_leader else NOTHING
+        code = self.comm.broadcast_codes([code])[0]
+        if code == START:
+            self._start()
+        elif code == DROP:
+            self.drop("the replacements did not start" if self.attempt is None or self.attempt.error is None else self.attempt.error)
+        elif code == ADMIT:
+            return self.attempt
+        return None
+
+    def _decide(self, can_admit: bool) -> int:
+        att = self.attempt
+        if att is None:
+            return START if time.monotonic() >= self._next_try else NOTHING
+        status = self._status(att)
+        if status == "failed":
+            return DROP
+        if status == "ready" and can_admit:
+            return ADMIT
+        return NOTHING
+
+    def _status(self, att: JoinAttempt) -> str:
+        """The leader's view of an attempt: "ready", "failed" or "waiting"."""
+        MPI = _mpi()
+        timed_out = time.monotonic() - att.started > self.timeout_s
+        if att.error is not None:
+            return "failed"
+        if att.merged is None:
+            if timed_out:
+                att.error = f"the spawn did not complete in {self.timeout_s:g} s (recover.rejoin_timeout_s)"
+                return "failed"
+            return "waiting"
+        status = MPI.Status()
+        buf = np.zeros(1, dtype=np.int64)
+        try:
+            while att.merged.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_READY, status=status):
+                src = status.Get_source()
+                att.merged.Recv([buf, MPI.INT64_T], source=src, tag=TAG_READY)
+                att.ready.add(src)
+        except MPI.Exception as exc:
+            att.error = f"a replacement died while starting ({exc.Get_error_string()})"
+            return "failed"
+        if len(att.ready) == att.size:
+            return "ready"
+        if timed_out:
+            att.error = f"{att.size - len(att.ready)} replacement(s) not ready after {self.timeout_s:g} s (recover.rejoin_timeout_s)"
+            return "failed"
+        return "waiting"
+
+    def _start(self) -> None:
+        MPI = _mpi()
+        layout = self.comm.layout
+        replicas = self.missing
+        ranks = tuple(layout.rank_of(r, s) for r in replicas for s in range(layout.shards))
+        self.started_attempts += 1
+        seat_ = Seat(ranks, self.started_attempts, time.time(), self.context())
+        att = JoinAttempt(self.started_attempts, replicas, seat_, survivors=self.comm.world.Get_size())
+        dup = self.comm.duplicate_world()
+        info = MPI.Info.Create()
+        info.Set("wdir", os.getcwd())
+        info.Set("bind_to", "none")
+        if self.hosts:
+            info.Set("host", self.hosts)
+        else:
+            # A dead rank's slot is not given back: only an oversubscribed placement finds room.
+            info.Set("map_by", ":OVERSUBSCRIBE")
+        args = ["-m", "lightning_recover.joiner", seat_.to_json(), *self.argv]
+
+        def spawn() -> None:
+            try:
+                inter = dup.Spawn(sys.executable, args=args, maxprocs=len(ranks), info=info, root=0)
+                merged = inter.Merge(high=False)
+                merged.Set_errhandler(MPI.ERRORS_RETURN)
+                att.merged = merged
+            except MPI.Exception as exc:
+                att.error = f"spawn failed: {exc.Get_error_string()}"
+
+        att.thread = threading.Thread(target=spawn, name=f"lightning-recover-spawn-{att.number}", daemon=True)
+        self.attempt = att
+        att.thread.start()
+        if self.comm.is_leader:
+            print(
+                f"[lightning-recover] re-join attempt {att.number}: spawning {len(ranks)} rank(s) for replica(s) {list(replicas)}",
+                file=sys.stderr, flush=True,
+            )
+
+    def drop(self, reason: str) -> None:
+        """Give the open attempt up (on every survivor): tell live replacements, back off."""
+        att, self.attempt = self.attempt, None
+        if att is None:
+            return
+        MPI = _mpi()
+        if self.comm.is_leader and att.merged is not None:
+            for r in att.joiner_ranks():
+                try:
+                    att.merged.Send([np.array([ABORT], dtype=np.int64), MPI.INT64_T], dest=r, tag=TAG_DECISION)
+                except MPI.Exception:
+                    pass  # that one is dead
+        self.failures_in_a_row += 1
+        self._next_try = time.monotonic() + self.backoff_s * 2 ** (self.failures_in_a_row - 1)
+        if self.comm.is_leader:
+            more = self.failures_in_a_row < self.attempts
+            print(
+                f"[lightning-recover] re-join attempt {att.number} dropped: {reason}; "
+                + (f"next attempt in {self.backoff_s * 2 ** (self.failures_in_a_row - 1):g} s" if more
+                   else f"{self.attempts} failed in a row (recover.rejoin_attempts): training goes on without"),
+                file=sys.stderr, flush=True,
+            )
+
+    def admit(self, att: JoinAttempt) -> bool:
+        """Send GO and grow the world (every survivor); False, with the attempt dropped, if a member died."""
+        MPI = _mpi()
+        assert att.thread is not None
+        att.thread.join()  # the leader's merge completed, so every survivor's does
+        if att.merged is None:
+            raise RuntimeError(f"re-join attempt {att.number}: the merge completed on the leader but not here ({att.error})")
+        if self.comm.is_leader:
+            for r in att.joiner_ranks():
+                try:
+                    att.merged.Send([np.array([GO], dtype=np.int64), MPI.INT64_T], dest=r, tag=TAG_DECISION)
+                except MPI.Exception:
+                    pass  # grow's agreement below fails everywhere
+        if not self.comm.grow(att.merged):
+            att.merged = None  # gone members: never reuse it
+            self.attempt = att
+            self.drop("a member died while the world grew")
+            return False
+        self.attempt = None
+        self.failures_in_a_row = 0
+        return True
+
+
+# ---------------------------------------------------------------------- replacement side
+def await_admission(joining: Joining) -> bool:
+    """Say READY to the survivors and wait for their decision: True on GO (then :meth:`grow`), False on ABORT
+    or when the leader died (the joiner's timer bounds a wait nobody answers)."""
+    MPI = _mpi()
+    merged = joining.merged
+    buf = np.zeros(1, dtype=np.int64)
+    try:
+        merged.Send([np.array([joining.rank], dtype=np.int64), MPI.INT64_T], dest=0, tag=TAG_READY)
+        merged.Recv([buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=TAG_DECISION)
+    except MPI.Exception:
+        return False  # the leader that spawned us is gone: its attempt is dropped
+    return int(buf[0]) == GO
+
+
+def give_up(joining: Joining, reason: str) -> None:
+    """A replacement that was not admitted leaves quietly: one stderr line, exit status 0."""
+    print(f"[lightning-recover] replacement for rank {joining.rank}: {reason}; leaving", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# ---------------------------------------------------------------------- the state transfer
+def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by a placeholder (its index in ``tensors``, and how to rebuild it)."""
+    if isinstance(obj, torch.Tensor):
+        spec = None
+        local = obj
+        if hasattr(obj, "to_local") and hasattr(obj, "placements"):
+            spec = {"placements": tuple(obj.placements), "shape": tuple(obj.shape), "stride": tuple(obj.stride())}
+            local = obj.to_local()
+        tensors.append(local.detach().to("cpu").contiguous())
+        return _Placeholder(len(tensors) - 1, tuple(local.shape), local.dtype, spec)
+    if isinstance(obj, dict):
+        return {k: _flatten(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_flatten(v, tensors) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_flatten(v, tensors) for v in obj)
+    return obj
+
+
+@dataclass(frozen=True)
+class _Placeholder:
+    index: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    #: For a DTensor: its placements and global shape/stride (rebuilt on the joiner's mesh).
+    dtensor: dict[str, Any] | None
+
+
+def _restore(obj: Any, tensors: Sequence[torch.Tensor], mesh: Any, device: torch.device) -> Any:
+    if isinstance(obj, _Placeholder):
+        t = tensors[obj.index].to(device)
+        if obj.dtensor is not None:
+            from torch.distributed.tensor import DTensor
+
+            return DTensor.from_local(t, mesh, obj.dtensor["placements"], shape=obj.dtensor["shape"], stride=obj.dtensor["stride"])
+        return t
+    if isinstance(obj, dict):
+        return {k: _restore(v, tensors, mesh, device) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_restore(v, tensors, mesh, device) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_restore(v, tensors, mesh, device) for v in obj)
+    return obj
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.view(-1).view(torch.uint8).numpy() if t.numel() else np.zeros(0, dtype=np.uint8)
+
+
+def send_state(comm: FaultTolerantComm, state: dict[str, Any], to: Sequence[int]) -> int:
+    """Send ``state`` (a checkpoint dict; DTensors go as their local shard) to world ranks ``to``; returns bytes sent.
+
+    The skeleton travels pickled, every tensor as its raw bytes (no pickling of tensor data).
+    A peer death raises :class:`PeerFailure` (through the communicator's failure path).
+    """
+    MPI = _mpi()
+    tensors: list[torch.Tensor] = []
+    skeleton = pickle.dumps(_flatten(state, tensors), protocol=pickle.HIGHEST_PROTOCOL)
+    header = np.frombuffer(skeleton, dtype=np.uint8)
+    sent = 0
+    try:
+        for dest in to:
+            comm.world.Send([np.array([header.size], dtype=np.int64), MPI.INT64_T], dest=dest, tag=TAG_STATE)
+            comm.world.Send([header, MPI.BYTE], dest=dest, tag=TAG_STATE)
+            for t in tensors:
+                comm.world.Send([_bytes(t), MPI.BYTE], dest=dest, tag=TAG_STATE)
+            sent += header.size + sum(t.numel() * t.element_size() for t in tensors)
+    except MPI.Exception as exc:
+        raise comm.fail_for("state transfer", exc) from None
+    return sent
+
+
+def recv_state(comm: FaultTolerantComm, source: int, mesh: Any, device: torch.device) -> dict[str, Any]:
+    """Receive what :func:`send_state` sent from world rank ``source``; DTensors are rebuilt on ``mesh``."""
+    MPI = _mpi()
+    try:
+        n = np.zeros(1, dtype=np.int64)
+        comm.world.Recv([n, MPI.INT64_T], source=source, tag=TAG_STATE)
+        header = np.empty(int(n[0]), dtype=np.uint8)
+        comm.world.Recv([header, MPI.BYTE], source=source, tag=TAG_STATE)
+        skeleton = pickle.loads(header.tobytes())
+        tensors: list[torch.Tensor] = []
+        for ph in sorted(_placeholders(skeleton), key=lambda p: p.index):
+            t = torch.empty(ph.shape, dtype=ph.dtype)
+            if t.numel():
+                comm.world.Recv([_bytes(t), MPI.BYTE], source=source, tag=TAG_STATE)
+            tensors.append(t)
+    except MPI.Exception as exc:
+        raise comm.fail_for("state transfer", exc) from None
+    return _restore(skeleton, tensors, mesh, device)
+
+
+def _placeholders(obj: Any) -> Iterator[_Placeholder]:
+    if isinstance(obj, _Placeholder):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _placeholders(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _placeholders(v)
+
+
+def donor_and_recipients(comm: FaultTolerantComm, joiners: Sequence[int]) -> tuple[int, dict[int, list[int]]]:
+    """The donor replica (the lowest live veteran) and, per shard, the world ranks of the replacements it sends to."""
+    members = comm.members
+    veterans = [r for r in comm.alive_replicas if r not in joiners]
+    if not veterans:
+        raise PeerFailure((), "state transfer: no veteran replica is left to send the state", 0)
+    donor = veterans[0]
+    layout = comm.layout
+    to: dict[int, list[int]] = {}
+    for s in range(layout.shards):
+        to[s] = [members.index(layout.rank_of(r, s)) for r in joiners if layout.rank_of(r, s) in members]
+    return donor, to
