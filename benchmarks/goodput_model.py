@@ -2,7 +2,8 @@
 
 A discrete-event model behind ``benchmarks/simulate.py``; a benchmark tool that lives beside
 it, not part of the installed package (the library never uses it). Pure standard library (no
-numpy, torch or MPI; only :func:`pause_from_ledger` reads a ledger with the package's reader),
+numpy, torch or MPI; only :func:`pause_from_ledger` and :func:`rejoin_pause_from_ledger` read a
+ledger with the package's reader),
 so it imports anywhere and the tests can drive it directly. Times are seconds.
 
 The job
@@ -53,9 +54,17 @@ loss of a replica (whole-cluster outages, silent data corruption) are out of sco
     the rate is ``W_cur / W`` (fluid limit, ``fluid_throughput``). With an integer number of
     accumulation steps ``G`` the step time is quantised (a survivor runs
     ``G_cur = ceil(W G / W_cur)`` microbatches) and the rate is ``G / G_cur``
-    (``quantised_throughput``). Repaired replicas re-join after ``D`` with the same re-join
-    pause as (b); ``D = inf`` models the paper's ReCoVer, which never re-joins (the world only
-    shrinks). An optional fault-free overhead fraction scales ReCoVer's rate.
+    (``quantised_throughput``). An optional fault-free overhead fraction scales ReCoVer's rate.
+    Two ReCoVer systems are simulated side by side (``JobResult.recover_no_rejoin`` and
+    ``JobResult.recover``):
+
+    * **without re-join** (``D = inf``): the paper's ReCoVer, and lightning-recover without
+      ``rejoin=True``: the world only shrinks, so lost replicas accumulate over the window;
+    * **with re-join** (lightning-recover's hot re-join): a replacement replica joins after
+      ``D`` (the repair or allocation of a node; the joiner's start-up and state transfer run
+      beside the survivors' training) and each join stalls the survivors for ReCoVer's own
+      join pause (``ModelParams.recover_rejoin_pause_s``, measured from a ledger's ``joins`` by
+      ``rejoin_pause_from_ledger``; by default the same assumed pause as (b)).
 
 Pauses are serial: a failure during a pause extends it. While all replicas of a replica-based
 job are down it makes no progress (its state is assumed to survive, e.g. in an occasional
@@ -91,6 +100,7 @@ __all__ = [
     "make_rng",
     "pause_from_ledger",
     "quantised_throughput",
+    "rejoin_pause_from_ledger",
     "replica_goodput_estimate",
     "simulate_checkpoint_restart",
     "simulate_job",
@@ -472,6 +482,9 @@ class ModelParams:
     interval: str = "young"
     grad_accum: int = 0  # 0: fluid limit (work divides evenly among survivors)
     recover_overhead: float = 0.0  # ReCoVer's fault-free step-time overhead, as a fraction
+    # ReCoVer's own join pause (measured from a ledger); None: the assumed rejoin_pause_s,
+    # which AdaptiveWorld always uses.
+    recover_rejoin_pause_s: float | None = None
 
     def __post_init__(self) -> None:
         _check_time("gpu_mtbf_s", self.gpu_mtbf_s, positive=True, allow_inf=True)
@@ -482,12 +495,19 @@ class ModelParams:
         _check_time("adaptive_pause_s", self.adaptive_pause_s)
         _check_time("repair_s", self.repair_s, allow_inf=True)
         _check_time("rejoin_pause_s", self.rejoin_pause_s)
+        if self.recover_rejoin_pause_s is not None:
+            _check_time("recover_rejoin_pause_s", self.recover_rejoin_pause_s)
         if self.interval not in ("young", "daly"):
             raise ValueError(f"interval must be 'young' or 'daly' (got {self.interval!r})")
         _check_int("grad_accum", self.grad_accum, minimum=0)
         o = self.recover_overhead
         if not (isinstance(o, (int, float)) and 0.0 <= o < 1.0):
             raise ValueError(f"recover_overhead must be a fraction in [0, 1) (got {o!r})")
+
+    @property
+    def recover_join_pause_s(self) -> float:
+        """The stall ReCoVer's survivors take per join: measured if given, else ``rejoin_pause_s``."""
+        return self.rejoin_pause_s if self.recover_rejoin_pause_s is None else self.recover_rejoin_pause_s
 
 
 @dataclass(frozen=True)
@@ -509,7 +529,7 @@ class Stat:
 
 @dataclass(frozen=True)
 class JobResult:
-    """The three systems on one job size."""
+    """The three systems on one job size (ReCoVer with and without re-join)."""
 
     gpus: int
     replicas: int
@@ -522,25 +542,38 @@ class JobResult:
     adaptive_batch_mean: Stat
     adaptive_batch_min: Stat
     adaptive_full_batch_share: Stat
-    recover: Stat
+    recover: Stat  # with re-join after repair_s (the same as recover_no_rejoin when repair_s is inf)
     recover_estimate: float
+    recover_no_rejoin: Stat  # repair_s = inf: the world only shrinks
+    recover_no_rejoin_estimate: float
     failures_per_run: float
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
-        """ReCoVer / checkpoint-restart goodput (inf when checkpoint-restart makes no progress)."""
+        """ReCoVer (with re-join) / checkpoint-restart goodput (inf when checkpoint-restart makes no progress)."""
         cr = self.checkpoint_restart.mean
         return self.recover.mean / cr if cr > 0 else math.inf
+
+    @property
+    def ratio_no_rejoin(self) -> float:
+        """ReCoVer without re-join / checkpoint-restart goodput (inf when checkpoint-restart makes no progress)."""
+        cr = self.checkpoint_restart.mean
+        return self.recover_no_rejoin.mean / cr if cr > 0 else math.inf
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["ratio_recover_over_checkpoint_restart"] = self.ratio
+        out["ratio_recover_no_rejoin_over_checkpoint_restart"] = self.ratio_no_rejoin
         return out
 
 
 def simulate_job(gpus: int, params: ModelParams, wall_s: float, reps: int, seed: int = 0) -> JobResult:
-    """Simulate ``reps`` windows of ``wall_s`` seconds of a ``gpus``-GPU job for all three systems."""
+    """Simulate ``reps`` windows of ``wall_s`` seconds of a ``gpus``-GPU job for all three systems.
+
+    ReCoVer runs twice per window on the same failure stream (the same seed): with re-join
+    (``params.repair_s``, ``params.recover_join_pause_s``) and without (``repair_s = inf``).
+    """
     _check_int("gpus", gpus, minimum=1)
     _check_int("reps", reps, minimum=1)
     _check_time("wall_s", wall_s, positive=True)
@@ -554,7 +587,8 @@ def simulate_job(gpus: int, params: ModelParams, wall_s: float, reps: int, seed:
     m_job = job_mtbf_s(gpus, params.gpu_mtbf_s)
     tau = checkpoint_interval(params.interval, params.checkpoint_s, m_job)
     thr = quantised_throughput(params.grad_accum) if params.grad_accum else fluid_throughput
-    cr, aw, rc = [], [], []
+    rejoins = not math.isinf(params.repair_s)
+    cr, aw, rc, rc_shrink = [], [], [], []
     for rep in range(reps):
         cr.append(
             simulate_checkpoint_restart(
@@ -567,17 +601,31 @@ def simulate_job(gpus: int, params: ModelParams, wall_s: float, reps: int, seed:
                 wall_s, make_rng(seed, "aw", gpus, rep),
             )
         )
-        rc.append(
+        rc_shrink.append(
             simulate_replicas(
-                w, g, params.gpu_mtbf_s, params.recover_pause_s, params.repair_s, params.rejoin_pause_s,
+                w, g, params.gpu_mtbf_s, params.recover_pause_s, math.inf, params.recover_join_pause_s,
                 wall_s, make_rng(seed, "rc", gpus, rep), throughput=thr,
                 rate_scale=1.0 - params.recover_overhead,
             )
         )
+        if rejoins:
+            rc.append(
+                simulate_replicas(
+                    w, g, params.gpu_mtbf_s, params.recover_pause_s, params.repair_s, params.recover_join_pause_s,
+                    wall_s, make_rng(seed, "rc", gpus, rep), throughput=thr,
+                    rate_scale=1.0 - params.recover_overhead,
+                )
+            )
+    if not rejoins:  # repair_s = inf: the system with re-join is the one without
+        rc = rc_shrink
     daly = daly_goodput(m_job, tau, params.checkpoint_s, params.restart_s)
     first = max(0.0, 1.0 - first_order_waste(m_job, tau, params.checkpoint_s, params.restart_s))
-    est = (1.0 - params.recover_overhead) * replica_goodput_estimate(
-        gpus, g, params.gpu_mtbf_s, params.recover_pause_s, params.repair_s, params.rejoin_pause_s, wall_s
+    est, est_shrink = (
+        (1.0 - params.recover_overhead)
+        * replica_goodput_estimate(
+            gpus, g, params.gpu_mtbf_s, params.recover_pause_s, repair, params.recover_join_pause_s, wall_s
+        )
+        for repair in (params.repair_s, math.inf)
     )
     return JobResult(
         gpus=gpus,
@@ -593,12 +641,17 @@ def simulate_job(gpus: int, params: ModelParams, wall_s: float, reps: int, seed:
         adaptive_full_batch_share=Stat.of([r.full_batch_share for r in aw]),
         recover=Stat.of([r.goodput for r in rc]),
         recover_estimate=est if params.grad_accum == 0 else math.nan,
+        recover_no_rejoin=Stat.of([r.goodput for r in rc_shrink]),
+        recover_no_rejoin_estimate=est_shrink if params.grad_accum == 0 else math.nan,
         failures_per_run=statistics.fmean(r.failures for r in rc),
         extra={
             "checkpoint_restart_failures_per_run": statistics.fmean(r.failures for r in cr),
             "checkpoint_restart_restart_s_per_run": statistics.fmean(r.restarts_s for r in cr),
             "adaptive_paused_s_per_run": statistics.fmean(r.paused_s for r in aw),
             "recover_paused_s_per_run": statistics.fmean(r.paused_s for r in rc),
+            "recover_rejoins_per_run": statistics.fmean(r.rejoins for r in rc),
+            "recover_no_rejoin_paused_s_per_run": statistics.fmean(r.paused_s for r in rc_shrink),
+            "recover_no_rejoin_live_fraction_min": statistics.fmean(r.batch_fraction_min for r in rc_shrink),
             "recover_batch_fraction_mean": 1.0,  # constant B by construction
         },
     )
@@ -628,3 +681,42 @@ def pause_from_ledger(path: str | os.PathLike[str]) -> tuple[float, int]:
             f"run with injected faults, or give the pause with --pause-s"
         )
     return statistics.fmean(values), len(values)
+
+
+def rejoin_pause_from_ledger(path: str | os.PathLike[str]) -> tuple[float, int] | None:
+    """Measured join pause from a lightning-recover step ledger with hot re-join (JSON lines).
+
+    Returns the median ``pause_s`` (the seconds the survivors were blocked by one join) over
+    every entry of every record's ``joins`` list that has one, and how many entries that was;
+    None when the ledger records no join with a measured pause (a run without
+    ``rejoin=True``, or whose joins all have ``pause_s`` null). The median, not the mean: one
+    join that met a fault in its transfer would otherwise stand for all of them.
+    """
+    from lightning_recover.ledger import read_ledger
+
+    values: list[float] = []
+    for rec in read_ledger(path):
+        joins = rec.get("joins") or []
+        if not isinstance(joins, list):
+            raise ValueError(
+                f"{os.fspath(path)}: step {rec.get('step')}: joins must be a list, got {joins!r}; "
+                f"run `lightning-recover check-ledger {os.fspath(path)}`"
+            )
+        for j in joins:
+            if not isinstance(j, dict):
+                raise ValueError(
+                    f"{os.fspath(path)}: step {rec.get('step')}: each join must be an object, got {j!r}; "
+                    f"run `lightning-recover check-ledger {os.fspath(path)}`"
+                )
+            v = j.get("pause_s")
+            if v is None:
+                continue  # not measured (e.g. the join met a fault)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(
+                    f"{os.fspath(path)}: step {rec.get('step')}: join pause_s must be seconds >= 0 "
+                    f"or null, got {v!r}; run `lightning-recover check-ledger {os.fspath(path)}`"
+                )
+            values.append(float(v))
+    if not values:
+        return None
+    return statistics.median(values), len(values)

@@ -20,14 +20,25 @@ wall time (default 30), repeated ``--reps`` times (default 20), we compare
   default 0.05 s, or ``--pause-from LEDGER.jsonl``: the mean nonzero ``recovery_s`` of the
   faulted steps of a lightning-recover step ledger); B stays constant, so while replicas are
   down the survivors' steps take ``W / W_cur`` longer (``--grad-accum G`` quantises this).
+  Two ReCoVer systems are simulated on the same failures:
 
-Failed replicas are repaired off the critical path and re-join after ``--repair-min``
-(default 30; ``inf``: never, as in the ReCoVer paper), each re-join stalling the job for
-``--rejoin-pause-s`` (default 5 s, a communicator rebuild; the same for AdaptiveWorld and
-ReCoVer). Goodput is useful work / wall time, as a fraction of the fault-free rate.
+  - **without re-join**: lost replicas never come back (the ReCoVer paper, and a
+    lightning-recover job without ``recover.rejoin``), so they accumulate over the window;
+  - **with re-join** (``recover.rejoin=true``): a replacement joins after ``--repair-min``
+    (default 30) and each join blocks the survivors for the join pause: the median
+    ``pause_s`` of the ``joins`` recorded in the ``--pause-from`` ledger, or, when there is
+    no ledger or it records no join, ``--rejoin-pause-s`` (default 5 s, assumed).
 
-Writes ``benchmarks/results/simulate.json`` and ``benchmarks/results/simulate.png`` (goodput
-vs job size, log x); the last line printed is the headline ratio at the largest job size.
+AdaptiveWorld's replicas also come back after ``--repair-min``, each stalling it for
+``--rejoin-pause-s`` (a communicator rebuild). ``--repair-min inf`` makes both ReCoVer
+columns the system without re-join. Goodput is useful work / wall time, as a fraction of
+the fault-free rate.
+
+Prints where each pause came from, a table with both ReCoVer systems, writes
+``benchmarks/results/simulate.json`` and ``benchmarks/results/simulate.png`` (goodput vs job
+size, log x). The last line printed is the headline: ReCoVer's goodput at the largest job
+size and its ratio to checkpoint-restart at the smallest and the largest, each without and
+with re-join.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ from goodput_model import (  # noqa: E402
     JobResult,
     ModelParams,
     pause_from_ledger,
+    rejoin_pause_from_ledger,
     simulate_job,
 )
 
@@ -71,11 +83,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="checkpoint interval: young = sqrt(2 delta M), daly = Daly's higher-order optimum")
     pause = p.add_mutually_exclusive_group()
     pause.add_argument("--pause-s", type=float, default=None, help="ReCoVer per-fault pause in seconds (default 0.05)")
-    pause.add_argument("--pause-from", type=Path, default=None, metavar="LEDGER.jsonl",
-                       help="take the ReCoVer pause from a step ledger: mean nonzero recovery_s of faulted steps")
+    pause.add_argument("--pause-from", "--ledger", dest="pause_from", type=Path, default=None,
+                       metavar="LEDGER.jsonl",
+                       help="take ReCoVer's pauses from a step ledger: per fault, the mean nonzero recovery_s of "
+                            "faulted steps; per join, the median pause_s of its joins (none: --rejoin-pause-s)")
     p.add_argument("--adaptive-timeout-s", type=float, default=60.0, help="AdaptiveWorld per-fault pause (detection timeout)")
-    p.add_argument("--repair-min", type=float, default=30.0, help="replica repair + re-join time in minutes (inf: never re-joins)")
-    p.add_argument("--rejoin-pause-s", type=float, default=5.0, help="job stall when a repaired replica re-joins")
+    p.add_argument("--repair-min", type=float, default=30.0,
+                   help="minutes until a lost replica's replacement joins, for AdaptiveWorld and ReCoVer with "
+                        "re-join (inf: never; ReCoVer without re-join always uses inf)")
+    p.add_argument("--rejoin-pause-s", type=float, default=5.0,
+                   help="job stall per re-join: AdaptiveWorld's, and ReCoVer's unless the --pause-from ledger "
+                        "records joins")
     p.add_argument("--grad-accum", type=int, default=0,
                    help="ReCoVer's initial accumulation steps G for quantised step times (0: fluid, rate W_cur/W)")
     p.add_argument("--recover-overhead", type=float, default=0.0,
@@ -117,15 +135,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         bad("--recover-overhead", args.recover_overhead, "a fraction in [0, 1)")
     if args.reps < 1:
         bad("--reps", args.reps, ">= 1")
+    # Where each ReCoVer pause comes from, printed beside the numbers.
+    args.recover_rejoin_pause_s = args.rejoin_pause_s
+    args.joins = None
     if args.pause_from is not None:
         try:
             args.pause_s, args.pause_steps = pause_from_ledger(args.pause_from)
+            measured = rejoin_pause_from_ledger(args.pause_from)
         except (OSError, ValueError) as exc:
             p.error(f"--pause-from {args.pause_from}: {exc}")
+        steps = f"{args.pause_steps} faulted step{'s' * (args.pause_steps != 1)}"
+        args.pause_source = f"measured: mean recovery_s of {steps} of {args.pause_from}"
+        if measured is None:
+            args.rejoin_pause_source = (
+                f"--rejoin-pause-s, assumed: {args.pause_from} records no join with a measured pause_s"
+            )
+        else:
+            args.recover_rejoin_pause_s, args.joins = measured
+            args.rejoin_pause_source = (f"measured: median pause_s of {args.joins} join{'s' * (args.joins != 1)} "
+                                       f"in {args.pause_from}")
     else:
         args.pause_steps = None
         if args.pause_s is None:
             args.pause_s = 0.05
+            args.pause_source = "default, assumed; measure it with --pause-from LEDGER"
+        else:
+            args.pause_source = "--pause-s"
+        args.rejoin_pause_source = "--rejoin-pause-s, assumed; measure it with --pause-from LEDGER of a re-join run"
     return args
 
 
@@ -159,17 +195,33 @@ def _jsonable(x: Any) -> Any:
 
 
 def table(rows: list[JobResult]) -> list[str]:
+    head1 = (f"{'':>7} {'':>6} {'':>9} {'':>8} | {'':>6} {'':>6} | {'':>6} {'':>8} {'':>7} {'':>6} | "
+             f"{'ReCoVer, no re-join':^19} | {'ReCoVer, re-join':^19}").rstrip()
     head = (f"{'GPUs':>7} {'repl.':>6} {'job MTBF':>9} {'CR tau':>8} | {'CR sim':>6} {'Daly':>6} | "
-            f"{'AW':>6} {'AW meanB':>8} {'AW minB':>7} {'AW @B':>6} | {'ReCoVer':>7} | {'ReCoVer/CR':>10}")
-    out = [head, "-" * len(head)]
+            f"{'AW':>6} {'AW meanB':>8} {'AW minB':>7} {'AW @B':>6} | {'goodput':>7} {'/CR':>11} | "
+            f"{'goodput':>7} {'/CR':>11}")
+    out = [head1, head, "-" * len(head)]
     for r in rows:
         out.append(
             f"{r.gpus:>7} {r.replicas:>6} {fmt_duration(r.job_mtbf_s):>9} {fmt_duration(r.tau_s):>8} | "
             f"{r.checkpoint_restart.mean:6.3f} {r.daly_goodput:6.3f} | "
             f"{r.adaptive.mean:6.3f} {100 * r.adaptive_batch_mean.mean:7.3f}% {100 * r.adaptive_batch_min.mean:6.2f}% "
-            f"{100 * r.adaptive_full_batch_share.mean:5.1f}% | {r.recover.mean:7.4f} | {r.ratio:9.2f}x"
+            f"{100 * r.adaptive_full_batch_share.mean:5.1f}% | "
+            f"{r.recover_no_rejoin.mean:7.4f} {r.ratio_no_rejoin:10.2f}x | {r.recover.mean:7.4f} {r.ratio:10.2f}x"
         )
     return out
+
+
+def headline(rows: list[JobResult], args: argparse.Namespace) -> str:
+    """The last line: ReCoVer's goodput and its ratio to checkpoint-restart, without / with re-join."""
+    small, large = rows[0], rows[-1]
+    ratios = [f"{r.ratio_no_rejoin:.2f}x / {r.ratio:.2f}x at {size_label(r.gpus)} GPUs"
+              for r in ([small, large] if len(rows) > 1 else [large])]
+    rejoin = ("never" if math.isinf(args.repair_min)
+              else f"after {args.repair_min:g} min, {args.recover_rejoin_pause_s:.3g} s join pause")
+    return (f"ReCoVer over {args.days:g} days without / with re-join ({rejoin}): goodput "
+            f"{large.recover_no_rejoin.mean:.3f} / {large.recover.mean:.3f} at {size_label(large.gpus)} GPUs; "
+            f"vs checkpoint-restart {', '.join(ratios)}")
 
 
 def plot(rows: list[JobResult], path: Path, args: argparse.Namespace) -> None:
@@ -181,7 +233,9 @@ def plot(rows: list[JobResult], path: Path, args: argparse.Namespace) -> None:
     x = [r.gpus for r in rows]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
     series = (
-        ("ReCoVer (constant B)", [r.recover for r in rows], "tab:green", "o"),
+        (f"ReCoVer with re-join ({args.recover_rejoin_pause_s:.3g} s join pause)", [r.recover for r in rows],
+         "tab:green", "o"),
+        ("ReCoVer without re-join (world only shrinks)", [r.recover_no_rejoin for r in rows], "tab:olive", "D"),
         (f"AdaptiveWorld ({args.adaptive_timeout_s:g} s timeout, shrinking B)", [r.adaptive for r in rows], "tab:orange", "s"),
         ("checkpoint-restart (Young/Daly tau)" if args.interval == "young" else "checkpoint-restart (Daly tau)",
          [r.checkpoint_restart for r in rows], "tab:red", "^"),
@@ -199,7 +253,7 @@ def plot(rows: list[JobResult], path: Path, args: argparse.Namespace) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower left", fontsize=8)
     ax.set_title(f"per-GPU MTBF {args.gpu_mtbf_h:g} h, R {args.restart_min:g} min, delta {args.checkpoint_min:g} min, "
-                 f"pause {args.pause_s:.3g} s", fontsize=9)
+                 f"fault pause {args.pause_s:.3g} s, repair {args.repair_min:g} min", fontsize=9)
     ax2.plot(x, [100 * r.adaptive_full_batch_share.mean for r in rows], "s-", color="tab:orange",
              label="AdaptiveWorld: steps at target B")
     ax2.plot(x, [100 * r.adaptive_batch_min.mean for r in rows], "s:", color="tab:orange", alpha=0.7,
@@ -228,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         restart_s=args.restart_min * 60,
         checkpoint_s=args.checkpoint_min * 60,
         recover_pause_s=args.pause_s,
+        recover_rejoin_pause_s=args.recover_rejoin_pause_s,
         adaptive_pause_s=args.adaptive_timeout_s,
         repair_s=args.repair_min * 60,
         rejoin_pause_s=args.rejoin_pause_s,
@@ -246,18 +301,22 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     elapsed = time.perf_counter() - t0
 
-    src = f"measured, {args.pause_steps} faulted steps of {args.pause_from}" if args.pause_from else "given"
     print(f"Goodput over {args.days:g} days x {args.reps} runs; per-GPU MTBF {args.gpu_mtbf_h:g} h, "
           f"{args.gpus_per_replica} GPUs/replica; CR: R {args.restart_min:g} min, delta {args.checkpoint_min:g} min, "
-          f"{args.interval} interval; AW: {args.adaptive_timeout_s:g} s pause; ReCoVer: {args.pause_s:.4g} s pause "
-          f"({src}); repair {args.repair_min:g} min, re-join pause {args.rejoin_pause_s:g} s")
+          f"{args.interval} interval; AW: {args.adaptive_timeout_s:g} s pause, re-join after {args.repair_min:g} min "
+          f"with a {args.rejoin_pause_s:g} s pause")
+    print(f"ReCoVer fault pause: {args.pause_s:.4g} s ({args.pause_source})")
+    print(f"ReCoVer join pause: {args.recover_rejoin_pause_s:.4g} s ({args.rejoin_pause_source}); "
+          + ("re-join: never (--repair-min inf), so both ReCoVer columns are the system without re-join"
+             if math.isinf(args.repair_min) else f"a replacement joins {args.repair_min:g} min after a loss"))
     for line in table(rows):
         print(line)
+    ci95 = max(max(r.checkpoint_restart.ci95, r.adaptive.ci95, r.recover.ci95, r.recover_no_rejoin.ci95) for r in rows)
     print("CR sim: simulated checkpoint-restart goodput; Daly: its higher-order closed form. AdaptiveWorld batch "
           "drift: meanB = mean batch of its steps, minB = smallest batch (both % of the target B), @B = share of "
-          "its steps at the full B (ReCoVer: 100% at B by construction). "
-          f"95% CI half-width of the goodputs <= "
-          f"{max(max(r.checkpoint_restart.ci95, r.adaptive.ci95, r.recover.ci95) for r in rows):.4f}.")
+          "its steps at the full B (ReCoVer: 100% at B by construction). ReCoVer without re-join: lost replicas "
+          "never come back (a job without recover.rejoin); with re-join: recover.rejoin=true. "
+          f"95% CI half-width of the goodputs <= {ci95:.4f}.")
 
     result = {
         "benchmark": "simulate",
@@ -267,16 +326,14 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [r.as_dict() for r in rows],
         "elapsed_s": elapsed,
     }
-    largest = rows[-1]
-    headline = f"ReCoVer / checkpoint-restart goodput at {size_label(largest.gpus)} GPUs: {largest.ratio:.2f}x"
-    result["headline"] = headline
+    result["headline"] = last = headline(rows, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(_jsonable(result), indent=1) + "\n")
     print(f"wrote {args.out}")
     if not args.no_figure:
         plot(rows, args.figure, args)
         print(f"wrote {args.figure}")
-    print(headline)
+    print(last)
     return 0
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -31,6 +33,7 @@ from goodput_model import (
     make_rng,
     pause_from_ledger,
     quantised_throughput,
+    rejoin_pause_from_ledger,
     replica_goodput_estimate,
     simulate_checkpoint_restart,
     simulate_job,
@@ -123,6 +126,33 @@ def test_replica_simulation_matches_estimate_and_reports_drift() -> None:
     assert r.adaptive_batch_mean.mean == pytest.approx(1 - 8 * 0.5 / 50_000 * 1, abs=2e-5)
 
 
+def test_recover_with_and_without_rejoin() -> None:
+    # The issue's point: without re-join, lost replicas accumulate, and at 1k GPUs ReCoVer
+    # falls behind checkpoint-restart over 30 days; with re-join it is ahead.
+    r = simulate_job(1024, ModelParams(), 30 * DAY, reps=20)
+    assert r.ratio_no_rejoin < 0.99 and r.ratio > 1.01, (r.ratio_no_rejoin, r.ratio)
+    assert r.recover_no_rejoin.mean == pytest.approx(r.recover_no_rejoin_estimate, abs=5e-3)
+    assert r.recover_no_rejoin.mean < r.recover.mean
+    assert r.extra["recover_rejoins_per_run"] > 0
+    d = r.as_dict()
+    assert d["ratio_recover_no_rejoin_over_checkpoint_restart"] == r.ratio_no_rejoin
+    assert d["ratio_recover_over_checkpoint_restart"] == r.ratio
+
+
+def test_recover_join_pause_is_recovers_own() -> None:
+    # A measured join pause moves ReCoVer with re-join only: AdaptiveWorld keeps the assumed
+    # rejoin_pause_s, and ReCoVer without re-join never pauses for a join.
+    base = simulate_job(100_000, ModelParams(), 3 * DAY, reps=1)
+    slow = simulate_job(100_000, ModelParams(recover_rejoin_pause_s=60.0), 3 * DAY, reps=1)
+    assert ModelParams(recover_rejoin_pause_s=60.0).recover_join_pause_s == 60.0
+    assert ModelParams(rejoin_pause_s=7.0).recover_join_pause_s == 7.0
+    assert slow.recover.mean < base.recover.mean
+    assert slow.adaptive == base.adaptive
+    assert slow.recover_no_rejoin == base.recover_no_rejoin
+    never = simulate_job(1024, ModelParams(repair_s=math.inf), 3 * DAY, reps=2)
+    assert never.recover == never.recover_no_rejoin and never.ratio == never.ratio_no_rejoin
+
+
 def test_recover_without_rejoin_only_shrinks() -> None:
     run = simulate_replicas(16, 8, 200 * HOUR, 0.05, math.inf, 5.0, 30 * DAY, make_rng("norejoin"))
     assert run.rejoins == 0
@@ -200,6 +230,7 @@ def test_replica_simulation_bounds(mtbf_h: float, replicas: int, pause: float, r
         (lambda: ModelParams(gpus_per_replica=0), "gpus_per_replica"),
         (lambda: ModelParams(interval="fast"), "interval"),
         (lambda: ModelParams(recover_overhead=1.5), "recover_overhead"),
+        (lambda: ModelParams(recover_rejoin_pause_s=-1.0), "recover_rejoin_pause_s"),
         (lambda: job_mtbf_s(0, 1.0), "gpus"),
         (lambda: simulate_job(1000, ModelParams(gpus_per_replica=16), DAY, 1), "gpus_per_replica=16"),
         (lambda: simulate_checkpoint_restart(-3.0, 60, 60, 600, DAY, make_rng(0)), "mtbf_s"),
@@ -217,11 +248,28 @@ def test_negative_mtbf_message_shows_value() -> None:
         ModelParams(gpu_mtbf_s=-5.0)
 
 
-def _ledger(path: Path, recs: list[tuple[list[int], float]]) -> Path:
+def _ledger(
+    path: Path, recs: list[tuple[list[int], float]], joins: dict[int, list[dict[str, Any]]] | None = None
+) -> Path:
+    """A ledger with the fields the simulator reads; ``joins`` maps a step to its ``joins`` list."""
     with open(path, "w") as f:
         for step, (faults, rec) in enumerate(recs):
-            f.write(json.dumps({"step": step, "faults": faults, "recovery_s": rec}) + "\n")
+            line: dict[str, Any] = {"step": step, "faults": faults, "recovery_s": rec}
+            if joins and step in joins:
+                line["joined"] = [j["replica"] for j in joins[step]]
+                line["joins"] = joins[step]
+            f.write(json.dumps(line) + "\n")
     return path
+
+
+# Two faults, then three joins with measured pauses (median 1.5 s, mean 3.67 s) and one whose
+# pause was not measured (null): the simulator must take the median of the measured ones.
+FAULTS = [([], 0.0), ([1], 0.08), ([], 0.0), ([3], 0.12), ([], 0.0), ([], 0.0)]
+JOINS = {
+    2: [{"replica": 1, "transfer_s": 0.9, "pause_s": 0.5}],
+    4: [{"replica": 3, "transfer_s": 1.1, "pause_s": 9.0}, {"replica": 1, "transfer_s": 1.0, "pause_s": None}],
+    5: [{"replica": 2, "transfer_s": 1.2, "pause_s": 1.5}],
+}
 
 
 def test_pause_from_ledger(tmp_path: Path) -> None:
@@ -233,6 +281,46 @@ def test_pause_from_ledger(tmp_path: Path) -> None:
         pause_from_ledger(empty)
 
 
+def test_rejoin_pause_from_ledger(tmp_path: Path) -> None:
+    assert rejoin_pause_from_ledger(_ledger(tmp_path / "j.jsonl", FAULTS, JOINS)) == (1.5, 3)
+    assert rejoin_pause_from_ledger(_ledger(tmp_path / "none.jsonl", FAULTS)) is None
+    unmeasured = {2: [{"replica": 1, "transfer_s": 0.9, "pause_s": None}]}
+    assert rejoin_pause_from_ledger(_ledger(tmp_path / "null.jsonl", FAULTS, unmeasured)) is None
+    bad = {2: [{"replica": 1, "transfer_s": 0.9, "pause_s": -2.0}]}
+    with pytest.raises(ValueError, match=r"bad.jsonl: step 2: join pause_s must be seconds >= 0 or null, got -2.0"):
+        rejoin_pause_from_ledger(_ledger(tmp_path / "bad.jsonl", FAULTS, bad))
+
+
+def test_cli_takes_join_pause_from_ledger(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ledger = _ledger(tmp_path / "ledger.jsonl", FAULTS, JOINS)
+    out = tmp_path / "sim.json"
+    argv = ["--job-sizes", "1024", "--days", "2", "--reps", "1", "--out", str(out), "--no-figure"]
+    args = simulate.parse_args([*argv, "--ledger", str(ledger)])  # --ledger: --pause-from's alias
+    assert args.pause_s == pytest.approx(0.1) and args.recover_rejoin_pause_s == 1.5 and args.joins == 3
+    assert simulate.main([*argv, "--pause-from", str(ledger)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert f"ReCoVer fault pause: 0.1 s (measured: mean recovery_s of 2 faulted steps of {ledger})" in lines
+    assert any(line.startswith(f"ReCoVer join pause: 1.5 s (measured: median pause_s of 3 joins in {ledger}); ")
+               for line in lines), lines
+    assert "(after 30 min, 1.5 s join pause)" in lines[-1]
+    data = json.loads(out.read_text())
+    assert data["params_s"]["recover_rejoin_pause_s"] == 1.5
+    assert data["params_s"]["rejoin_pause_s"] == 5.0  # AdaptiveWorld keeps the assumed pause
+
+
+def test_cli_falls_back_when_ledger_has_no_joins(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ledger = _ledger(tmp_path / "ledger.jsonl", FAULTS)
+    out = tmp_path / "sim.json"
+    rc = simulate.main(["--job-sizes", "1024", "--days", "2", "--reps", "1", "--pause-from", str(ledger),
+                        "--rejoin-pause-s", "7", "--out", str(out), "--no-figure"])
+    assert rc == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith(f"ReCoVer join pause: 7 s (--rejoin-pause-s, assumed: {ledger} records no join "
+                               f"with a measured pause_s") for line in lines), lines
+    assert "(after 30 min, 7 s join pause)" in lines[-1]
+    assert json.loads(out.read_text())["params_s"]["recover_rejoin_pause_s"] == 7.0
+
+
 @pytest.mark.plots
 def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ledger = _ledger(tmp_path / "ledger.jsonl", [([], 0.0), ([1], 0.08)])
@@ -241,12 +329,22 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
                         "--out", str(out), "--figure", str(fig)])
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-1].startswith("ReCoVer / checkpoint-restart goodput at 100k GPUs: ")
-    assert lines[-1].endswith("x")
+    m = re.fullmatch(r"ReCoVer over 3 days without / with re-join \(after 30 min, 5 s join pause\): goodput "
+                     r"(\d\.\d{3}) / (\d\.\d{3}) at 100k GPUs; vs checkpoint-restart (\d+\.\d\d)x / (\d+\.\d\d)x "
+                     r"at 1k GPUs, (\d+\.\d\d)x / (\d+\.\d\d)x at 100k GPUs", lines[-1])
+    assert m, lines[-1]
     data = json.loads(out.read_text())
     assert [r["gpus"] for r in data["rows"]] == [1024, 100_000]
     assert data["params_s"]["recover_pause_s"] == pytest.approx(0.08)
     assert data["headline"] == lines[-1]
+    small, large = data["rows"]
+    assert [float(x) for x in m.groups()] == [
+        round(large["recover_no_rejoin"]["mean"], 3), round(large["recover"]["mean"], 3),
+        round(small["ratio_recover_no_rejoin_over_checkpoint_restart"], 2),
+        round(small["ratio_recover_over_checkpoint_restart"], 2),
+        round(large["ratio_recover_no_rejoin_over_checkpoint_restart"], 2),
+        round(large["ratio_recover_over_checkpoint_restart"], 2),
+    ]
     assert fig.stat().st_size > 10_000
 
 
@@ -254,7 +352,8 @@ def test_cli_no_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     rc = simulate.main(["--gpu-mtbf-h", "inf", "--job-sizes", "4096", "--days", "1", "--reps", "1",
                         "--out", str(tmp_path / "s.json"), "--no-figure"])
     assert rc == 0
-    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("at 4k GPUs: 1.00x")
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(
+        "goodput 1.000 / 1.000 at 4k GPUs; vs checkpoint-restart 1.00x / 1.00x at 4k GPUs")
 
 
 @pytest.mark.parametrize(
@@ -267,6 +366,7 @@ def test_cli_no_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         (["--job-sizes", "1000", "1001"], "--job-sizes"),
         (["--reps", "0"], "--reps"),
         (["--pause-from", "/nonexistent/ledger.jsonl"], "--pause-from"),
+        (["--ledger", "/nonexistent/ledger.jsonl"], "--pause-from"),
     ],
 )
 def test_cli_rejects_bad_values(argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
