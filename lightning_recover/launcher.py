@@ -209,6 +209,7 @@ class JobMarkers:
 
     started: set[int] = field(default_factory=set)
     ended: set[int] = field(default_factory=set)  # ok or exited: the rank ended on purpose
+    ok: set[int] = field(default_factory=set)  # ended with status 0
     #: rank -> (exception type name, the traceback's last line)
     raised: dict[int, tuple[str, str]] = field(default_factory=dict)
 
@@ -224,6 +225,8 @@ class JobMarkers:
                 markers.started.add(r)
             elif what in ("ok", "exited"):
                 markers.ended.add(r)
+                if what == "ok":
+                    markers.ok.add(r)
             elif what == "raised":
                 try:
                     with open(os.path.join(directory, name)) as f:
@@ -273,6 +276,10 @@ def final_words(markers: JobMarkers, nprocs: int, status: int) -> tuple[int, str
                 f"note: the program raised {_what_raised(markers.raised, nprocs)}, traceback{many} above; "
                 "the other replicas went on without those ranks and finished"
             )
+        if status != 0 and markers.ended and markers.ended == markers.ok:
+            # The runtime's own status after a replacement spawn it could not place (hot re-join):
+            # the program ended normally on every rank that finished, so the job did too.
+            return 0, f"note: mpiexec exited with status {status} (a failed spawn of replacement ranks); every rank that finished ended normally"
         return status, None
     status = status or 1
     if not markers.raised:

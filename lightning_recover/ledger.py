@@ -7,8 +7,9 @@ step by step. `lightning-recover check-ledger` is `main()` here. Pure Python, no
 
 Hot re-join adds two optional fields (absent from older ledgers): ``joined``, the replicas
 admitted at the boundary before the step (from the policy), and ``joins``, one object per
-joined replica ``{"replica", "transfer_s", "pause_s"}`` with the seconds the state transfer
-took and the survivors' pause (null where not measured). The checker keeps its exactly-once
+joined replica ``{"replica", "transfer_s", "pause_s", "ok"}`` with the seconds the state
+transfer took and the survivors' pause (null where not measured), and whether the joiner
+committed that step (false: it died first and is among the step's faults). The checker keeps its exactly-once
 checks for every step, joins or not, and checks the joins are consistent (see JOIN_FIELDS).
 """
 
@@ -357,6 +358,10 @@ def _check_joins(problems: _Problems, step: int, rec: Mapping[str, Any], prev: M
             if listed != joined:
                 problems.add(step, f"joins are for replicas {listed} but joined is {joined}")
             for j in joins:
+                ok = j.get("ok")
+                in_step = isinstance(replicas, list) and j.get("replica") in replicas
+                if ok is not None and ok is not in_step:
+                    problems.add(step, f"join of replica {j.get('replica')}: ok is {ok!r} but the replica {'did' if in_step else 'did not'} commit the step")
                 for key in ("transfer_s", "pause_s"):
                     v = j.get(key)
                     if v is not None and not (_is_number(v) and v >= 0):

@@ -282,11 +282,13 @@ class Recruiter:
                 file=sys.stderr, flush=True,
             )
 
-    def drop(self, reason: str) -> None:
-        """Give the open attempt up (on every survivor): tell live replacements, back off."""
+    def close(self) -> None:
+        """End of training: an open attempt's replacements are told ABORT (they leave at once)."""
         att, self.attempt = self.attempt, None
-        if att is None:
-            return
+        if att is not None:
+            self._abort(att)
+
+    def _abort(self, att: JoinAttempt) -> None:
         MPI = _mpi()
         if self.comm.is_leader and att.merged is not None:
             for r in att.joiner_ranks():
@@ -294,6 +296,13 @@ class Recruiter:
                     att.merged.Send([np.array([ABORT], dtype=np.int64), MPI.INT64_T], dest=r, tag=TAG_DECISION)
                 except MPI.Exception:
                     pass  # that one is dead
+
+    def drop(self, reason: str) -> None:
+        """Give the open attempt up (on every survivor): tell live replacements, back off."""
+        att, self.attempt = self.attempt, None
+        if att is None:
+            return
+        self._abort(att)
         self.failures_in_a_row += 1
         self._next_try = time.monotonic() + self.backoff_s * 2 ** (self.failures_in_a_row - 1)
         if self.comm.is_leader:

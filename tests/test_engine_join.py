@@ -323,7 +323,7 @@ def test_two_replicas_lost_at_different_steps_both_come_back(tmp_path: Path) -> 
     assert sorted(out.final()) == [0, 1, 2, 3] and [out.world.comm(r).life for r in range(4)] == [0, 1, 0, 1]
     # The survivors measured each join's pause; the joiner's own entry has none.
     joins = {key: c.record["joins"] for key, c in out.committers(3).items()}
-    assert joins.pop((1, 1)) == [{"replica": 1, "transfer_s": None, "pause_s": None}]
+    assert joins.pop((1, 1)) == [{"replica": 1, "transfer_s": None, "pause_s": None, "ok": True}]
     assert sorted(joins) == [(0, 0), (2, 0)] and all(j[0]["replica"] == 1 and j[0]["pause_s"] >= 0 for j in joins.values())
 
 

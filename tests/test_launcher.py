@@ -292,10 +292,21 @@ def test_survivors_finished_after_one_rank_raised(tmp_path: Path) -> None:
 @pytest.mark.parametrize("files", [{}, {"started.0": "", "ok.0": ""}, {"started.0": "", "started.1": "", "exited.0": "", "exited.1": ""}])
 def test_nothing_to_add_for_a_normal_or_deliberate_end(tmp_path: Path, files: dict[str, str]) -> None:
     assert final_words(_markers(tmp_path, files), 2, 0) == (0, None)
-    assert final_words(_markers(tmp_path, {}), 2, 3) == (3, None)
+    (tmp_path / "empty").mkdir()
+    assert final_words(_markers(tmp_path / "empty", {}), 2, 3) == (3, None)
 
 
 def test_rank_ranges(tmp_path: Path) -> None:
     files = {f"raised.{r}": BUG for r in range(1, 5)}
     _, words = final_words(_markers(tmp_path, files), 6, 0)
     assert words is not None and words.startswith("the program raised ValueError on ranks 1-4 (ValueError: user bug 42), traceback above; ranks 0, 5 died")
+
+
+def test_runtime_status_after_a_failed_spawn_is_not_the_jobs(tmp_path: Path) -> None:
+    # Hot re-join could not place a replacement: prte exits 213 though every rank ended normally.
+    m = _markers(tmp_path, {"started.0": "", "started.1": "", "ok.0": ""})
+    status, words = final_words(m, 2, 213)
+    assert status == 0 and words is not None and "mpiexec exited with status 213" in words
+    # A deliberate non-zero stop (exited marker) keeps mpiexec's status.
+    m = _markers(tmp_path, {"exited.1": ""})
+    assert final_words(m, 2, 3)[0] == 3

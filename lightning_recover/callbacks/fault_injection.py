@@ -6,7 +6,11 @@ Schedule entries are ``{step, rank, phase, kind}`` with optional ``microbatch`` 
 test | predict; ``checkpoint`` fires while the leader replica writes the checkpoint of
 global step ``step``, after this rank's shard file is written and before anything is
 renamed into place; validation / test / predict fire before this rank's ``microbatch``-th
-batch (0-based) of an evaluation loop run at global step ``step`` (never in the sanity check). ``kind`` is kill
+batch (0-based) of an evaluation loop run at global step ``step`` (never in the sanity check).
+The hot re-join phases count ``step`` as the re-join attempt (1-based) instead:
+``join_startup`` fires in a replacement before it says it is ready, ``join_transfer`` in
+the donor before it sends the live state and in a replacement before it receives it, and
+``joined`` in a replacement at the start of its first step. ``kind`` is kill
 (SIGKILL), hang (SIGSTOP: no thread of the process runs) or stuck (the main thread spins
 forever while the process stays alive, like a rank wedged in compute). ``microbatch``
 pins forward/backward to the k-th microbatch (0-based) this replica computes in that
@@ -26,7 +30,10 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-PHASES = ("forward", "backward", "reduce", "optimizer", "checkpoint", "validation", "test", "predict")
+PHASES = (
+    "forward", "backward", "reduce", "optimizer", "checkpoint", "validation", "test", "predict",
+    "join_startup", "join_transfer", "joined",
+)
 EVALUATION_PHASES = ("validation", "test", "predict")
 KINDS = ("kill", "hang", "stuck")
 _SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}

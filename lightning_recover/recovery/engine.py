@@ -220,7 +220,8 @@ class StepEngine:
             stale_buckets=st.stale_buckets_redone,
             policy=self.policy.name,
             divisor=st.plan.divisor,
-            joins=[self._joins.get(r, Join(r)).as_dict() for r in record["joined"]],
+            # ok: the joiner is still there at the commit (one dead by then is also among the faults).
+            joins=[{**self._joins.get(r, Join(r)).as_dict(), "ok": r in record["replicas"]} for r in record["joined"]],
         )
         self._joins = {}
         self.state = None

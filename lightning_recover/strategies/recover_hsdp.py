@@ -462,10 +462,12 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
         assert self.comm is not None and self.engine is not None and self.layout is not None
         assert self.probes is not None
+        attempt = joining.seat.attempt
+        self.probes.fault_point("join_startup", step=attempt)
         with self.probes.waiting():
             go = rejoin.await_admission(joining)
         if not go:
-            rejoin.give_up(joining, "the survivors dropped this re-join attempt")
+            rejoin.give_up(joining, "the survivors dropped this re-join attempt or finished training")
         if not self.comm.grow(joining.merged):
             rejoin.give_up(joining, "a member died while the world grew")
         joiner.admitted()
@@ -479,6 +481,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             live = [r for r in replicas if r in comm.alive_replicas]
             donor, _ = rejoin.donor_and_recipients(comm, live)
             source = comm.members.index(layout.rank_of(donor, comm.shard))
+            self.probes.fault_point("join_transfer", step=attempt)  # type: ignore[union-attr]
             return rejoin.recv_state(comm, source, self._device_mesh if self.config.shards > 1 else None, self.root_device)
 
         checkpoint = self.engine.run_collective(receive)
@@ -527,6 +530,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         def transfer() -> None:
             donor, to = rejoin.donor_and_recipients(comm, live())
             if self.replica == donor:
+                self.probes.fault_point("join_transfer", step=attempt.number)  # type: ignore[union-attr]
                 # Lightning's own checkpoint of this moment (what trainer.save_checkpoint writes;
                 # dump_checkpoint has no public alias), plus the protocol's state.
                 checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
@@ -616,7 +620,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             return super().training_step(*args, **kwargs)
         assert self.engine is not None
         self._batch_idx = args[1] if len(args) > 1 else 0
-        self._joining = None  # a replacement's first step: from here on it is a member like any other
+        if self._joining is not None:
+            # A replacement's first step: from here on it is a member like any other.
+            assert self.probes is not None
+            self.probes.fault_point("joined", step=self._joining.seat.attempt)
+            self._joining = None
         step = self.engine.begin(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
         self._log_bases = self._step_logs.begin_step(self._train_results())
         with self._abandon_step_on_error():
@@ -1006,6 +1014,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
+        if self.recruiter is not None:
+            self.recruiter.close()  # replacements still starting are not needed any more
         self.wait_for_checkpoint()  # before the process groups it writes with can go
         if self.feed is not None:
             self.feed.close()  # the train loader's workers end with the fit, as after stock Lightning's

@@ -58,6 +58,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-workers", type=int, default=0, help="DataLoader(num_workers=...); loads are recorded under $LR_TEST_OUT/loads")
     ap.add_argument("--persistent-workers", action="store_true", help="DataLoader(persistent_workers=True)")
     ap.add_argument("--rejoin", action="store_true", help="hot re-join: replace lost replicas (backoff 0.5 s)")
+    ap.add_argument("--rejoin-hosts", default=None, help="recover.rejoin_hosts")
+    ap.add_argument("--rejoin-attempts", type=int, default=3, help="recover.rejoin_attempts")
     ap.add_argument("--slow-while-degraded", type=float, default=0.0, metavar="SECONDS",
                     help="every rank sleeps this long after each step while replicas are missing (lets replacements start on 2 cores)")
     return ap.parse_args(argv)
@@ -178,7 +180,8 @@ def main() -> None:
         shards=args.shards, grad_accum=args.grad_accum, target_replicas=args.target, policy=args.policy,
         ledger_path=out / "ledger.jsonl", seed=args.seed, bucket_mb=0.01, min_replicas=args.min_replicas,
         checkpoint_dir=args.ckpt_dir, checkpoint_every_n_steps=args.ckpt_every,
-        rejoin=args.rejoin, rejoin_backoff_s=0.5, rejoin_timeout_s=60.0,
+        rejoin=args.rejoin, rejoin_backoff_s=0.5, rejoin_timeout_s=60.0, rejoin_hosts=args.rejoin_hosts,
+        rejoin_attempts=args.rejoin_attempts,
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,

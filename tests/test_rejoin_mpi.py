@@ -1,0 +1,134 @@
+"""Hot re-join, launched: real SIGKILLs, real spawned replacement processes (issue 12).
+
+Each job trains tests/workers/train_worker.py with ``rejoin=True``; while replicas are
+missing every rank sleeps after each step (``--slow-while-degraded``) so that a replacement
+can import torch on the 2-core test machine before the run is over. Every job must end
+with an exact ledger (check-ledger against the single-process reference), the reference's
+final weights, and bitwise-identical parameters on every rank that finished, replacements
+included.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from mpirun import MPIJob, run_mpi
+
+from lightning_recover.ledger import check_ledger
+
+pytestmark = pytest.mark.mpi
+
+SLOW = ["--rejoin", "--slow-while-degraded", "1.0"]
+
+
+def kill(step: int, rank: int, phase: str = "backward") -> dict:
+    return {"step": step, "rank": rank, "phase": phase, "kind": "kill"}
+
+
+def launch(tmp_path: Path, nprocs: int, argv: list[str], faults: list[dict], timeout: float = 240) -> MPIJob:
+    job = run_mpi(nprocs, ["tests/workers/train_worker.py", *argv, "--faults", json.dumps(faults)], tmp_path, timeout=timeout)
+    assert job.returncode == 0, job.describe()
+    return job
+
+
+def ledger(job: MPIJob) -> list[dict]:
+    return [json.loads(line) for line in (job.outdir / "ledger.jsonl").read_text().splitlines()]
+
+
+def check_exact(job: MPIJob, argv: list[str], replicas: int) -> dict[int, dict]:
+    """Ledger exact vs the single-process reference; every finished rank bitwise equal and equal to the reference."""
+    from reference import reference_run
+
+    ref_losses, ref_params = reference_run(argv, replicas)
+    ref_ledger = job.outdir / "reference.jsonl"
+    ref_ledger.write_text("".join(json.dumps({"step": i, "loss": v}) + "\n" for i, v in enumerate(ref_losses)))
+    verdict = check_ledger(job.outdir / "ledger.jsonl", reference=str(ref_ledger), rtol=1e-4)
+    assert verdict.ok, verdict.problems
+    results = job.results()
+    params = {r: torch.load(job.outdir / f"params{r}.pt") for r in results if (job.outdir / f"params{r}.pt").exists()}
+    first = next(iter(params.values()))
+    for r, p in params.items():
+        assert all(torch.equal(first[k], p[k]) for k in first), f"rank {r} differs from rank {next(iter(params))}"
+    for k, v in ref_params.items():
+        torch.testing.assert_close(first[k], v, rtol=1e-4, atol=1e-4)
+    return results
+
+
+def joins_by_replica(records: list[dict]) -> dict[int, list[dict]]:
+    out: dict[int, list[dict]] = {}
+    for rec in records:
+        for j in rec.get("joins", []):
+            out.setdefault(j["replica"], []).append({**j, "step": rec["step"]})
+    return out
+
+
+def test_two_replicas_lost_at_different_steps_are_both_replaced(tmp_path: Path) -> None:
+    argv = ["--steps", "40", *SLOW]
+    job = launch(tmp_path, 4, argv, [kill(2, 1), kill(6, 3)])
+    results = check_exact(job, argv, 4)
+    # The run ends with 4 live replicas; the replacements of ranks 1 and 3 finished it.
+    assert sorted(results) == [0, 1, 2, 3], job.describe()
+    assert all(r["alive"] == [0, 1, 2, 3] and r["global_step"] == 40 for r in results.values())
+    records = ledger(job)
+    assert records[-1]["replicas"] == [0, 1, 2, 3] and records[-1]["G_cur"] == 2
+    joins = joins_by_replica(records)
+    assert sorted(joins) == [1, 3] and all(j["ok"] for js in joins.values() for j in js), joins
+    for js in joins.values():
+        for j in js:
+            assert 0 <= j["transfer_s"] <= j["pause_s"] < 10, j
+    # A joiner's first step: a spare shadowing a veteran; B constant all along.
+    for js in joins.values():
+        rec = records[js[0]["step"]]
+        assert rec["roles"][str(js[0]["replica"])].endswith("spare") and rec["B"] == 8
+    assert "re-joined (state transfer" in job.stderr
+
+
+def test_faults_around_joins_never_hang_and_keep_the_ledger_exact(tmp_path: Path) -> None:
+    """Attempt 1's replacement dies while starting; attempt 2's donor (the leader) dies while
+    sending the state (the next veteran sends it); attempt 3's replacement dies right after
+    joining; attempt 4 is still starting when training ends and is told to leave."""
+    argv = ["--steps", "60", *SLOW]
+    faults = [kill(2, 1), kill(1, 1, "join_startup"), kill(2, 0, "join_transfer"), kill(3, 0, "joined")]
+    job = launch(tmp_path, 4, argv, faults, timeout=300)
+    results = check_exact(job, argv, 4)
+    err = job.stderr
+    assert "re-join attempt 1 dropped: a replacement died while starting" in err, job.describe()
+    assert "fault injection: kill rank 0 at step 2 join_transfer" in err
+    assert "fault injection: kill rank 0 at step 3 joined" in err
+    records = ledger(job)
+    joins = joins_by_replica(records)
+    # Replica 1 came back in attempt 2 although its donor died mid-transfer.
+    assert [j["ok"] for j in joins[1]] == [True], joins
+    # Replica 0's first replacement joined and died before committing: joined and lost in one step.
+    first0 = joins[0][0]
+    assert first0["ok"] is False and 0 in records[first0["step"]]["faults"], joins
+    assert 1 in results and all(r["global_step"] == 60 for r in results.values())
+    assert sum(len(r["faults"]) for r in records) == 3  # rank 1, then rank 0 (donor), then replica 0's replacement
+
+
+def test_sharded_replica_replaced_after_its_first_replacement_died_in_the_transfer(tmp_path: Path) -> None:
+    """2x2 (shards=2): replica 1 is lost; in attempt 1 one of its two replacements dies while
+    receiving its shard, so the other leaves through the gate; attempt 2 brings both back."""
+    argv = ["--shards", "2", "--steps", "40", *SLOW]
+    job = launch(tmp_path, 4, argv, [kill(2, 2), kill(1, 3, "join_transfer")])
+    results = check_exact(job, argv, 2)
+    assert sorted(results) == [0, 1, 2, 3], job.describe()
+    assert all(r["alive"] == [0, 1] for r in results.values())
+    joins = joins_by_replica(ledger(job))
+    assert [j["ok"] for j in joins[1]] == [True], joins
+    assert "replica-consistency gate" in job.stderr
+
+
+def test_spawn_that_fails_is_retried_then_given_up_and_training_goes_on(tmp_path: Path) -> None:
+    argv = ["--steps", "12", *SLOW, "--rejoin-hosts", "no-such-host-lightning-recover", "--rejoin-attempts", "2"]
+    job = launch(tmp_path, 2, argv, [kill(1, 1)])
+    results = check_exact(job, argv, 2)
+    assert sorted(results) == [0] and results[0]["alive"] == [0]
+    err = job.stderr
+    assert "re-join attempt 1 dropped: spawn failed" in err and "re-join attempt 2 dropped: spawn failed" in err, job.describe()
+    assert "2 failed in a row (recover.rejoin_attempts): training goes on without" in err
+    assert "re-join attempt 3" not in err
+    assert "mpiexec exited with status" in err  # the runtime's status after the failed spawns, and why the job's is 0
