@@ -13,6 +13,14 @@ first). Every run is checked against the invariants the project promises:
 * every surviving replica holds bitwise-identical parameters;
 * every injected fault that fired was recovered (appears in the ledger's faults).
 
+With ``--joins`` every run also has hot re-join on (``rejoin=True``): lost replicas are
+replaced while the survivors train (every rank sleeps 1 s after each step while replicas
+are missing, so a replacement can start on 2 cores), and about half of the lost replicas'
+replacements are themselves killed while starting, while receiving the state, or right
+after joining (``join_startup`` / ``join_transfer`` / ``joined``, counted by re-join
+attempt). The same invariants hold; a replacement that finished the run must hold the
+survivors' parameters, and only a replacement killed after joining is a recorded loss.
+
 It is a tool of the checkout, not of the installed package: it trains the example GPT of
 ``examples/model.py``. Exit status 1 on any violation or hang. ``python benchmarks/chaos.py
 job CONFIG`` is the launched job. :func:`reference_run` is the project's one fault-free
@@ -53,6 +61,7 @@ class ChaosRun:
     steps: int
     seed: int
     faults: list[dict[str, Any]] = field(default_factory=list)
+    rejoin: bool = False
 
     @property
     def world(self) -> int:
@@ -65,12 +74,18 @@ class ChaosRun:
     def describe(self) -> str:
         t = f" T={self.target}" if self.target else ""
         fs = ", ".join(f"s{f['step']} r{f['rank']} {f['phase']}{'/mb' + str(f['microbatch']) if 'microbatch' in f else ''} {f['kind']}" for f in self.faults)
-        return f"{self.replicas}x{self.shards}{t} G={self.grad_accum} B={self.B}: {fs}"
+        return f"{self.replicas}x{self.shards}{t} G={self.grad_accum} B={self.B}{' rejoin' if self.rejoin else ''}: {fs}"
 
 
-def draw_run(index: int, rng: random.Random, steps: int, hangs: bool = True, stuck: bool = False) -> ChaosRun:
+#: Re-join phases a replacement can be killed in (FaultInjection counts their step by attempt).
+JOIN_PHASES = ("join_startup", "join_transfer", "joined")
+
+
+def draw_run(index: int, rng: random.Random, steps: int, hangs: bool = True, stuck: bool = False, joins: bool = False) -> ChaosRun:
     """One random run. A fifth of the faults are silent (SIGSTOP, or with ``stuck`` half of
-    those spin in compute instead); ``stuck`` does not change the other draws of a seed."""
+    those spin in compute instead); ``stuck`` does not change the other draws of a seed.
+    ``joins`` turns re-join on and adds faults on replacements (drawn after the others, so
+    the rest of a seed's draw is the same)."""
     W, S, T = rng.choice(TOPOLOGIES)
     run = ChaosRun(index, W, S, T, grad_accum=rng.randint(1, 3), steps=steps, seed=rng.randint(0, 2**31 - 1))
     losses = rng.randint(1, W - 1)
@@ -88,7 +103,26 @@ def draw_run(index: int, rng: random.Random, steps: int, hangs: bool = True, stu
         elif phase == "reduce":
             fault["bucket"] = rng.randrange(3)
         run.faults.append(fault)
+    if joins:
+        run.rejoin = True
+        for replica in victims:
+            if rng.random() < 0.5:
+                rank = replica * S + rng.randrange(S)
+                run.faults.append({"step": rng.randint(1, 2), "rank": rank, "phase": rng.choice(JOIN_PHASES), "kind": "kill"})
     return run
+
+
+def slow_while_degraded(seconds: float) -> Any:
+    """A callback sleeping after each step while replicas are missing: room for a replacement to start on 2 cores."""
+    import lightning as L
+
+    class SlowWhileDegraded(L.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            comm = trainer.strategy.comm
+            if len(comm.alive_replicas) < comm.layout.replicas:
+                time.sleep(seconds)
+
+    return SlowWhileDegraded()
 
 
 # ---------------------------------------------------------------------- the launched job
@@ -136,9 +170,11 @@ def job(config_path: str) -> None:
     strategy = ReCoVerHSDPStrategy(
         shards=cfg["shards"], grad_accum=cfg["grad_accum"], target_replicas=cfg["target"], seed=cfg["seed"],
         ledger_path=out / "ledger.jsonl", bucket_mb=0.01,
+        rejoin=cfg.get("rejoin", False), rejoin_backoff_s=0.5, rejoin_timeout_s=60.0,
     )
+    slow = [slow_while_degraded(1.0)] if cfg.get("rejoin") else []
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=cfg["steps"], callbacks=[FaultInjection(cfg["faults"])],
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=cfg["steps"], callbacks=[FaultInjection(cfg["faults"]), *slow],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=1.0, num_sanity_val_steps=0,
     )
@@ -254,10 +290,11 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
         out.violations.append(f"ledger has {len(ledger)} steps, expected {run.steps}")
     lost = sorted({r for line in ledger for r in line["faults"]})
     log_text = (outdir / "job.log").read_text(errors="replace")
-    hit = [f for f in run.faults if f"{f['kind']} rank {f['rank']} at step" in log_text]
+    hit = [f for f in run.faults if f"{f['kind']} rank {f['rank']} at step {f['step']} {f['phase']}" in log_text]
     # A death between the last commit and the end of training is in no step's faults.
     late = {f["rank"] // run.shards for f in hit if f["step"] == run.steps - 1 and f["phase"] == "optimizer"}
-    fired = sorted({f["rank"] // run.shards for f in hit})
+    # A replacement killed before it was admitted was never a member the ledger counts.
+    fired = sorted({f["rank"] // run.shards for f in hit if f["phase"] not in ("join_startup", "join_transfer")})
     out.fired, out.recovered = len(fired), len(set(fired) & (set(lost) | late))
     if set(fired) - set(lost) - late:
         out.violations.append(f"replicas {sorted(set(fired) - set(lost) - late)} were hit but not recorded as lost")
@@ -277,12 +314,13 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
 
 
 def campaign(
-    runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, hangs: bool = True, stuck: bool = False
+    runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, hangs: bool = True, stuck: bool = False,
+    joins: bool = False,
 ) -> list[Outcome]:
     rng = random.Random(seed)
     outcomes = []
     for i in range(runs):
-        run = draw_run(i, rng, steps, hangs=hangs, stuck=stuck)
+        run = draw_run(i, rng, steps, hangs=hangs, stuck=stuck, joins=joins)
         res = execute(run, outdir / f"run{i:04d}", hang_timeout, bound_s)
         outcomes.append(res)
         status = "OK" if not res.violations else "VIOLATION: " + "; ".join(res.violations)
@@ -324,11 +362,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bound", type=float, default=240.0, help="a run longer than this counts as a hang")
     ap.add_argument("--no-hangs", action="store_true", help="inject SIGKILLs only")
     ap.add_argument("--stuck", action="store_true", help="half of the silent faults spin in compute instead of SIGSTOP")
+    ap.add_argument("--joins", action="store_true", help="hot re-join on, and faults on the replacements (needs --steps >= 30)")
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error(f"--runs must be >= 1, got {args.runs}")
+    if args.joins and args.steps < 30:
+        ap.error(f"--joins needs --steps >= 30 (a replacement takes seconds to start), got {args.steps}")
     outcomes = campaign(
-        args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, hangs=not args.no_hangs, stuck=args.stuck
+        args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, hangs=not args.no_hangs, stuck=args.stuck,
+        joins=args.joins,
     )
     print(summary(outcomes))
     bad = any(o.violations for o in outcomes)

@@ -15,6 +15,10 @@ samples per step (``benchmarks/bench_job.py``):
   + ``ModelCheckpoint(every_n_train_steps=N)``. A callback SIGKILLs the victim at the
   same global steps (once each, marker files); this driver relaunches the job with the
   full 4 ranks after each death, resuming from the newest checkpoint, until max_steps.
+* ``rejoin``: ``recover`` with hot re-join (``rejoin=True``): each lost replica is replaced
+  by a spawned process while the survivors train, so the job grows back to 4 replicas.
+  Printed per join: the survivors' blocked time and the state transfer's time, and how many
+  steps the survivors took while the replacement started.
 * ``adaptive``: ReCoVerHSDPStrategy(policy="adaptive"), the AdaptiveWorld ablation
   (torchft-style: the batch shrinks with the survivors), same kills.
 * ``fault-free``: ReCoVer without kills, the reference loss trajectory.
@@ -69,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size", default="small")
     p.add_argument("--mbs", type=int, default=4, help="per-rank microbatch size")
     p.add_argument("--grad-accum", type=int, default=2, help="G per replica (B = 4 * G)")
-    p.add_argument("--systems", nargs="+", default=["fault-free", "recover", "cr", "adaptive"],
-                   choices=["fault-free", "recover", "cr", "adaptive"])
+    p.add_argument("--systems", nargs="+", default=["fault-free", "recover", "rejoin", "cr", "adaptive"],
+                   choices=["fault-free", "recover", "rejoin", "cr", "adaptive"])
     p.add_argument("--timeout", type=float, default=180, help="hard timeout per launched job, seconds")
     p.add_argument("--quiet-wait", type=float, default=5.0,
                    help="before each launch wait up to this many seconds for other work on the machine to stop "
@@ -131,9 +135,11 @@ def samples_per_microbatch(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------- systems
-def run_recover(args: argparse.Namespace, outdir: Path, name: str, policy: str, faults: list[dict]) -> dict:
+def run_recover(
+    args: argparse.Namespace, outdir: Path, name: str, policy: str, faults: list[dict], extra: tuple[str, ...] = ()
+) -> dict:
     schedule = [{"step": k["step"], "rank": k["rank"], "phase": "backward", "kind": "kill"} for k in faults]
-    res = gated_launch(args, job_args(args, policy) + ["--faults", json.dumps(schedule)], outdir)
+    res = gated_launch(args, job_args(args, policy) + ["--faults", json.dumps(schedule), *extra], outdir)
     ledger = read_jsonl(outdir / "ledger.jsonl")
     by_step = {d["step"]: d for d in ledger}
     steps = sorted(by_step)
@@ -155,6 +161,7 @@ def run_recover(args: argparse.Namespace, outdir: Path, name: str, policy: str, 
         "final_replicas": len(by_step[steps[-1]]["replicas"]) if steps else None,
         "G_cur": [by_step[s]["G_cur"] for s in steps], "B": [by_step[s]["B"] for s in steps],
         "extra": [by_step[s]["extra_microbatches"] for s in steps], "replicas": [len(by_step[s]["replicas"]) for s in steps],
+        "joins": [{**j, "step": s} for s in steps for j in by_step[s].get("joins", [])],
     }
     if not ok:
         rec["log_tail"] = res["log_tail"]
@@ -271,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_recover(args, work / f"fault-free{tag}", "fault-free", "recover", [])
             elif sy == "recover":
                 r = run_recover(args, work / f"recover{tag}", "recover", "recover", faults)
+            elif sy == "rejoin":
+                r = run_recover(args, work / f"rejoin{tag}", "rejoin", "recover", faults, ("--rejoin",))
             elif sy == "adaptive":
                 r = run_recover(args, work / f"adaptive{tag}", "adaptive", "adaptive", faults)
             else:
@@ -352,6 +361,19 @@ def main(argv: list[str] | None = None) -> int:
                 proj["vs_cr2"] = proj["throughput"] / base["throughput"]
             print(f"recover projected to one device per rank (post-failure steps x G_cur/G): {pw:.1f} s wall, "
                   f"{proj['throughput']:.2f} samples/s" + (f", {proj['vs_cr2']:.2f}x cr-2" if "vs_cr2" in proj else ""))
+    if "rejoin" in runs and runs["rejoin"]["ok"]:
+        r = runs["rejoin"]
+        joins = r["joins"]
+        print(f"rejoin: live replicas {' -> '.join(str(n) for i, n in enumerate(r['replicas']) if i == 0 or n != r['replicas'][i - 1])}, "
+              f"{len(joins)} join(s), {sum(1 for j in joins if j.get('ok'))} of them committed their first step")
+        for j in joins:
+            print(f"  join of replica {j['replica']} before step {j['step']}: survivors blocked {j['pause_s']:.3f} s, "
+                  f"state transfer {j['transfer_s']:.3f} s")
+        if joins:
+            r["join_pause_median_s"] = statistics.median(j["pause_s"] for j in joins)
+            r["join_transfer_median_s"] = statistics.median(j["transfer_s"] for j in joins)
+            print(f"rejoin: survivors' blocked time per join (median) {r['join_pause_median_s']:.3f} s, "
+                  f"state transfer (median) {r['join_transfer_median_s']:.3f} s")
     for name in [n for n in runs if n.startswith("cr")]:
         r = runs[name]
         if r["ok"]:
@@ -377,7 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     ok = all(r["ok"] for r in runs.values())
     if "recover" in runs and base and base["throughput"] and runs["recover"]["throughput"]:
-        print(f"ReCoVer / checkpoint-restart(N=2) effective throughput: {runs['recover']['throughput'] / base['throughput']:.2f}x")
+        rejoin = runs.get("rejoin")
+        with_rejoin = (f" (with re-join: {rejoin['throughput'] / base['throughput']:.2f}x)"
+                       if rejoin is not None and rejoin["throughput"] else "")
+        print(f"ReCoVer / checkpoint-restart(N=2) effective throughput: {runs['recover']['throughput'] / base['throughput']:.2f}x"
+              + with_rejoin)
     else:
         print("ReCoVer / checkpoint-restart(N=2) effective throughput: n/a (a run failed or was not selected)")
     return 0 if ok else 1

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chaos import PHASES, draw_run  # benchmarks/chaos.py (tests/conftest.py puts benchmarks/ on sys.path)
+from chaos import JOIN_PHASES, PHASES, draw_run  # benchmarks/chaos.py (tests/conftest.py puts benchmarks/ on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,6 +27,19 @@ def test_draws_lose_at_most_w_minus_one_whole_replicas(seed: int, steps: int) ->
     for f in run.faults:
         assert 0 <= f["rank"] < run.world and 0 <= f["step"] < steps
         assert f["phase"] in PHASES and f["kind"] in ("kill", "hang")
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_join_draws_add_faults_only_on_the_victims_replacements(seed: int) -> None:
+    plain, joins = draw_run(0, random.Random(seed), 40), draw_run(0, random.Random(seed), 40, joins=True)
+    assert joins.rejoin and not plain.rejoin
+    n = len(plain.faults)
+    assert joins.faults[:n] == plain.faults, "the rest of a seed's draw is unchanged"
+    victims = {f["rank"] // plain.shards for f in plain.faults}
+    for f in joins.faults[n:]:
+        assert f["phase"] in JOIN_PHASES and f["kind"] == "kill" and f["step"] in (1, 2)
+        assert f["rank"] // joins.shards in victims, "only a lost replica has a replacement to kill"
 
 
 @settings(max_examples=200, deadline=None)
