@@ -178,6 +178,11 @@ class Recruiter:
         self._next_try = 0.0
         self._gave_up = False
 
+    def joined_at(self, attempt: int) -> None:
+        """A replacement admitted by ``attempt`` continues the survivors' count (every member must
+        agree on :meth:`active` and number the next attempt alike)."""
+        self.started_attempts, self.failures_in_a_row, self.attempt = attempt, 0, None
+
     @property
     def missing(self) -> tuple[int, ...]:
         """Replicas of the original layout that are not live."""

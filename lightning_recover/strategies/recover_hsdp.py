@@ -294,12 +294,22 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.comm = FaultTolerantComm(self.layout, bucket_bytes=self.bucket_bytes)
         # The script's end runs `shutdown()` by itself at interpreter exit; no call needed.
         lifecycle.start_rank(self.comm.rank, self.layout.world_size, end_of_job=self.shutdown)
+        self._start_protocol()
+
+    def _start_protocol(self, heartbeats: Path | None = None, gather: Callable[[Any], list[Any]] | None = None) -> None:
+        """What every rank builds once it has its communicator: the policy, the watchdog, the
+        replica-local group, the engine, the ledger, the recruiter. A replacement passes the
+        survivors' heartbeat directory and its replica-mates' gather (it has no world yet)."""
+        assert self.comm is not None and self.layout is not None
         c = self.config
+        # A replacement's policy is replaced by the donor's state before its first step.
         self.policy = make_policy(c.policy, self.layout.replicas, c.grad_accum, T=c.target_replicas, min_replicas=c.min_replicas)
         if self.hang_timeout_s:
-            self.watchdog = HangWatchdog(self.comm.rank, self.hang_timeout_s, stuck_timeout=self.stuck_timeout_s).start()
+            self.watchdog = HangWatchdog(
+                self.comm.rank, self.hang_timeout_s, stuck_timeout=self.stuck_timeout_s, directory=heartbeats
+            ).start()
         backend = "nccl" if self.root_device.type == "cuda" else "gloo"
-        init_replica_group(self.comm, c.shards, c.timeout_s, backend)
+        init_replica_group(self.comm, c.shards, c.timeout_s, backend, gather=gather)
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         self.probes = StrategyProbes(self.comm.rank, self.watchdog, lambda: trainer.callbacks)
@@ -338,32 +348,16 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
         lifecycle.install_crash_hook(joining.rank)
         self._refuse_several_devices()
-        c = self.config
-        world_size = int(joining.seat.context["world_size"])
-        self.layout = layout = RankLayout(world_size, c.shards)
+        self.layout = layout = RankLayout(int(joining.seat.context["world_size"]), self.config.shards)
         self.comm = FaultTolerantComm.joiner(layout, joining.rank, bucket_bytes=self.bucket_bytes)
         self._joining = joining
-        # Replaced by the donor's state before the first step; B and G_init are the job's.
-        self.policy = make_policy(c.policy, layout.replicas, c.grad_accum, T=c.target_replicas, min_replicas=c.min_replicas)
-        if self.hang_timeout_s:
-            # The survivors' heartbeat directory: this process belongs to another MPI job id.
-            beats = joining.seat.context.get("heartbeats")
-            self.watchdog = HangWatchdog(
-                self.comm.rank, self.hang_timeout_s, stuck_timeout=self.stuck_timeout_s, directory=Path(beats) if beats else None
-            ).start()
         # The replica-local group among this replica's replacements (all spawned together).
         mates = joining.children.Split(layout.replica_of(joining.rank), layout.shard_of(joining.rank))
         mates.Set_errhandler(MPI.ERRORS_RETURN)
-        init_replica_group(self.comm, c.shards, c.timeout_s, "nccl" if self.root_device.type == "cuda" else "gloo", gather=mates.allgather)
-        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+        # The survivors' heartbeat directory: this process belongs to another MPI job id.
+        beats = joining.seat.context.get("heartbeats")
+        self._start_protocol(heartbeats=Path(beats) if beats else None, gather=mates.allgather)
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        self.probes = StrategyProbes(self.comm.rank, self.watchdog, lambda: trainer.callbacks)
-        dispatch = dispatcher(lambda: trainer.callbacks, lambda: (trainer, self.lightning_module))
-        self.engine = StepEngine(
-            self.comm, self.policy, shards=c.shards, dispatch=dispatch, probes=self.probes, on_repair=self._on_repair
-        )
-        if c.ledger_path is not None:
-            self.ledger = LeaderLedger(c.ledger_path)
         # The survivors agreed on the loggers' versions at their start; take theirs, so this
         # rank's callbacks (ModelCheckpoint's directory) resolve the same paths.
         for lg, version in zip(trainer.loggers, joining.seat.context.get("logger_versions", [])):
@@ -488,11 +482,12 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         state = checkpoint[checkpoint_io.STATE_KEY]
         self._take_over(state)
         self.engine.admit([Join(r) for r in replicas if r in comm.alive_replicas])
+        if self.recruiter is not None:
+            self.recruiter.joined_at(joining.seat.attempt)
         # Lightning restores a loaded checkpoint right after setup (restore_checkpoint_after_setup);
         # it has no public way to hand it one from memory, so the connector's slot is filled as
         # resume_start would fill it from a file.
         trainer._checkpoint_connector._loaded_checkpoint = checkpoint
-        self.recruiter = self._make_recruiter() if self.config.rejoin else None
         log.info("joined as rank %d after %.2f s of state transfer", comm.rank, time.perf_counter() - started)
 
     def _take_over(self, state: dict[str, Any]) -> None:
