@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -248,7 +249,9 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
     from lightning_recover.launcher import RUNTIME_START_FAILURE, build_command, launch_env, run_supervised
     from lightning_recover.ledger import LedgerWriter, check_ledger, read_ledger
 
-    outdir.mkdir(parents=True, exist_ok=True)
+    if outdir.exists():
+        shutil.rmtree(outdir)  # a result file left by an earlier campaign must never count as a survivor
+    outdir.mkdir(parents=True)
     cfg = {**asdict(run), "out": str(outdir)}
     (outdir / "config.json").write_text(json.dumps(cfg))
     argv = build_command(run.world, [sys.executable, str(Path(__file__).resolve()), "job", str(outdir / "config.json")])

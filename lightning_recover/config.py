@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigurationError",
     "RecoverConfig",
+    "SDCConfig",
 ]
 
 # Workload policies by config name (built by lightning_recover.policy.make_policy).
@@ -152,6 +153,37 @@ class CheckpointConfig:
         return self.every_n_steps > 0
 
 
+# ---------------------------------------------------------------------- silent data corruption
+#: What happens to a replica whose fingerprint is the odd one out (recover.sdc.action).
+SDC_ACTIONS: tuple[str, ...] = ("repair", "evict")
+
+
+@dataclass(frozen=True)
+class SDCConfig:
+    """Silent-data-corruption checks (``recover.sdc``; :mod:`lightning_recover.callbacks.corruption_check`).
+
+    Attributes:
+        every_n_steps: compare the replicas' parameter and optimizer-state fingerprints
+            after every N-th committed step; 0 = off.
+        action: "repair" (the corrupted replica receives the state from a healthy one and
+            goes on) or "evict" (it leaves, and the job recovers as from any failure).
+    """
+
+    every_n_steps: int = 0
+    action: str = "repair"
+
+    def __post_init__(self) -> None:
+        _set(self, "every_n_steps", _integer(
+            "sdc.every_n_steps", self.every_n_steps, 0, "set recover.sdc.every_n_steps to a step period, or 0 for no checks"
+        ))
+        if not isinstance(self.action, str) or self.action not in SDC_ACTIONS:
+            raise _refuse("sdc.action", self.action, " or ".join(repr(a) for a in SDC_ACTIONS), "set recover.sdc.action=repair or recover.sdc.action=evict")
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_n_steps > 0
+
+
 # ---------------------------------------------------------------------- the protocol's settings
 @dataclass(frozen=True)
 class RecoverConfig:
@@ -177,6 +209,7 @@ class RecoverConfig:
         stuck_timeout_s: also kill a rank making no progress inside a step's compute for
             this long. None = the hang timeout; 0 = off. See :meth:`watchdog_timeouts`.
         checkpoint: the fallback checkpoints (:class:`CheckpointConfig`).
+        sdc: the silent-data-corruption checks (:class:`SDCConfig`).
         rejoin: hot re-join (:mod:`lightning_recover.rejoin`): after losing replicas the
             job spawns replacements (the same interpreter and argv) up to the replica count
             it started with; they receive the live state and take work back. Off by default.
@@ -201,6 +234,7 @@ class RecoverConfig:
     hang_timeout_s: float | None = None
     stuck_timeout_s: float | None = None
     checkpoint: CheckpointConfig = CheckpointConfig()
+    sdc: SDCConfig = SDCConfig()
     rejoin: bool = False
     rejoin_hosts: str | None = None
     rejoin_attempts: int = 3
@@ -253,6 +287,11 @@ class RecoverConfig:
             ("rejoin_timeout_s", "set recover.rejoin_timeout_s to the seconds a replacement may take to start"),
         ):
             _set(self, key, _number(key, getattr(self, key), fix, positive=key == "rejoin_timeout_s", finite=True, requirement="a number of seconds"))
+        if not isinstance(self.sdc, SDCConfig):
+            raise ConfigurationError(
+                f"recover.sdc={self.sdc!r} is not an SDCConfig; pass SDCConfig(every_n_steps=..., action=...) "
+                "(recover.sdc.every_n_steps, recover.sdc.action)"
+            )
         if not isinstance(self.checkpoint, CheckpointConfig):
             raise ConfigurationError(
                 f"recover.checkpoint={self.checkpoint!r} is not a CheckpointConfig; "
@@ -277,7 +316,13 @@ class RecoverConfig:
         elif isinstance(ckpt, Mapping):
             _check_keys("recover.checkpoint", ckpt, _names(CheckpointConfig))
             ckpt = CheckpointConfig(**ckpt)
-        return cls(**values, checkpoint=ckpt)
+        sdc = values.pop("sdc", None)
+        if sdc is None:
+            sdc = SDCConfig()
+        elif isinstance(sdc, Mapping):
+            _check_keys("recover.sdc", sdc, _names(SDCConfig))
+            sdc = SDCConfig(**sdc)
+        return cls(**values, checkpoint=ckpt, sdc=sdc)
 
     @classmethod
     def from_arguments(
@@ -287,12 +332,15 @@ class RecoverConfig:
         checkpoint_every_n_steps: int = 0,
         checkpoint_async_save: bool = True,
         checkpoint_consolidate: bool = True,
+        sdc_every_n_steps: int = 0,
+        sdc_action: str = "repair",
         **settings: Any,
     ) -> RecoverConfig:
         """Build from ReCoVerHSDPStrategy's flat keyword arguments.
 
         ``checkpoint_dir``/``checkpoint_every_n_steps``/``checkpoint_async_save``/
-        ``checkpoint_consolidate`` become :attr:`checkpoint`. Unlike the
+        ``checkpoint_consolidate`` become :attr:`checkpoint`; ``sdc_every_n_steps``/``sdc_action``
+        become :attr:`sdc`. Unlike the
         Hydra group, where a directory with period 0 only names where to resume from, a
         ``checkpoint_dir`` argument asks for checkpoints, so it needs a period >= 1.
         """
@@ -310,7 +358,7 @@ class RecoverConfig:
             dir=checkpoint_dir, every_n_steps=checkpoint_every_n_steps,  # type: ignore[arg-type]
             async_save=checkpoint_async_save, consolidate=checkpoint_consolidate,
         )
-        return cls(**settings, checkpoint=checkpoint)
+        return cls(**settings, checkpoint=checkpoint, sdc=SDCConfig(every_n_steps=sdc_every_n_steps, action=sdc_action))
 
     # ------------------------------------------------------------------ the job's size
     def replicas(self, world_size: int) -> int:

@@ -48,6 +48,8 @@ def check_exact(job: MPIJob, argv: list[str], replicas: int) -> dict[int, dict]:
     verdict = check_ledger(job.outdir / "ledger.jsonl", reference=str(ref_ledger), rtol=1e-4)
     assert verdict.ok, verdict.problems
     results = job.results()
+    # Every finished rank ran the corruption check after every step: zero false positives.
+    assert all(r["sdc_checks"] > 0 and r["sdc_detections"] == 0 for r in results.values()), results
     params = {r: torch.load(job.outdir / f"params{r}.pt") for r in results if (job.outdir / f"params{r}.pt").exists()}
     first = next(iter(params.values()))
     for r, p in params.items():

@@ -5,7 +5,8 @@ hooks of :mod:`lightning_recover.recovery.hooks`: where the sums land and what a
 sends (:class:`ReductionBuffers`), the rule that only buckets reduced under one world
 epoch are committed (:class:`EpochCheck`), which extra microbatches a replica runs
 after a failure (:class:`BoundaryScheduler`), and that every live rank holds the leader's
-module buffers after each committed step (:class:`BufferSync`). The strategy installs
+module buffers after each committed step (:class:`BufferSync`); with ``recover.sdc`` on,
+that the replicas' state still agrees bit for bit (:class:`CorruptionCheck`). The strategy installs
 default instances before Lightning's setup hooks run; pass configured ones in
 ``Trainer(callbacks=[...])`` to replace them. :class:`RecoveryCallback` is the base for your own.
 """
@@ -14,6 +15,7 @@ from lightning_recover.callbacks.base import RecoveryCallback
 from lightning_recover.callbacks.boundary import BoundaryScheduler
 from lightning_recover.callbacks.buffer_sync import BufferSync, broadcast_buffers
 from lightning_recover.callbacks.checkpoint import fallback_checkpoint, last_checkpoint, resolve_ckpt_path
+from lightning_recover.callbacks.corruption_check import CorruptionCheck, SilentDataCorruptionError
 from lightning_recover.callbacks.epoch_check import EpochCheck, StaleBucketError
 from lightning_recover.callbacks.fault_injection import FaultInjection, FaultSpec
 from lightning_recover.callbacks.reduction_buffers import ReductionBuffers
@@ -21,11 +23,13 @@ from lightning_recover.callbacks.reduction_buffers import ReductionBuffers
 __all__ = [
     "BoundaryScheduler",
     "BufferSync",
+    "CorruptionCheck",
     "EpochCheck",
     "FaultInjection",
     "FaultSpec",
     "RecoveryCallback",
     "ReductionBuffers",
+    "SilentDataCorruptionError",
     "StaleBucketError",
     "broadcast_buffers",
     "fallback_checkpoint",

@@ -14,7 +14,13 @@ the donor before it sends the live state and in a replacement before it receives
 (SIGKILL), hang (SIGSTOP: no thread of the process runs) or stuck (the main thread spins
 forever while the process stays alive, like a rank wedged in compute). ``microbatch``
 pins forward/backward to the k-th microbatch (0-based) this replica computes in that
-step; ``bucket`` pins reduce to that bucket index (default 0). The strategy calls
+step; ``bucket`` pins reduce to that bucket index (default 0). ``kind: corrupt`` is silent
+data corruption instead: the process lives on, and one bit (bit 20 of the first element:
+a small change, as an SDC usually is) of this rank's ``target`` flips -- ``params`` (the
+first parameter's local shard), ``grads`` (its gradient) or ``optimizer`` (its first
+optimizer state tensor, e.g. Adam's ``exp_avg``); e.g. ``{step: 3, rank: 2, phase:
+optimizer, kind: corrupt, target: params}`` corrupts rank 2 just before step 3's update.
+The strategy calls
 :meth:`FaultInjection.at` at each point; an entry fires once.
 """
 
@@ -28,6 +34,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import Callback
 
 PHASES = (
@@ -35,7 +42,9 @@ PHASES = (
     "join_startup", "join_transfer", "joined",
 )
 EVALUATION_PHASES = ("validation", "test", "predict")
-KINDS = ("kill", "hang", "stuck")
+KINDS = ("kill", "hang", "stuck", "corrupt")
+#: What ``kind: corrupt`` flips a bit of.
+TARGETS = ("params", "grads", "optimizer")
 _SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
 
 
@@ -47,6 +56,7 @@ class FaultSpec:
     kind: str = "kill"
     microbatch: int | None = None
     bucket: int | None = None
+    target: str | None = None
 
     @classmethod
     def parse(cls, entry: Mapping[str, Any] | FaultSpec, index: int = 0) -> FaultSpec:
@@ -54,9 +64,11 @@ class FaultSpec:
             return entry
         if not isinstance(entry, Mapping):
             raise ValueError(f"fault.schedule[{index}] must be a mapping like {{step: 3, rank: 2, phase: backward, kind: kill}}, got {entry!r}")
-        unknown = set(entry) - {"step", "rank", "phase", "kind", "microbatch", "bucket"}
+        unknown = set(entry) - {"step", "rank", "phase", "kind", "microbatch", "bucket", "target"}
         if unknown:
-            raise ValueError(f"fault.schedule[{index}] has unknown keys {sorted(unknown)}; allowed: step, rank, phase, kind, microbatch, bucket")
+            raise ValueError(
+                f"fault.schedule[{index}] has unknown keys {sorted(unknown)}; allowed: step, rank, phase, kind, microbatch, bucket, target"
+            )
         for key in ("step", "rank", "phase"):
             if key not in entry:
                 raise ValueError(f"fault.schedule[{index}] is missing '{key}': {dict(entry)!r}")
@@ -70,6 +82,13 @@ class FaultSpec:
                 f"fault.schedule[{index}]: kind=stuck at phase=checkpoint would spin forever unseen (checkpoint writes "
                 "never count as stuck); use kind=hang or kill there"
             )
+        target = entry.get("target")
+        if kind == "corrupt":
+            target = "params" if target is None else str(target)
+            if target not in TARGETS:
+                raise ValueError(f"fault.schedule[{index}].target={target!r} is not one of {TARGETS}")
+        elif target is not None:
+            raise ValueError(f"fault.schedule[{index}].target={target!r} applies only to kind=corrupt (this entry is kind={kind})")
         ints = {}
         for key in ("step", "rank", "microbatch", "bucket"):
             v = entry.get(key)
@@ -79,7 +98,7 @@ class FaultSpec:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"fault.schedule[{index}].{key}={v!r} must be a non-negative integer")
             ints[key] = v
-        return cls(ints["step"], ints["rank"], phase, kind, ints["microbatch"], ints["bucket"])  # type: ignore[arg-type]
+        return cls(ints["step"], ints["rank"], phase, kind, ints["microbatch"], ints["bucket"], target)  # type: ignore[arg-type]
 
 
 class FaultInjection(Callback):
@@ -88,6 +107,10 @@ class FaultInjection(Callback):
     def __init__(self, schedule: Iterable[Mapping[str, Any] | FaultSpec] = ()) -> None:
         self.schedule = [FaultSpec.parse(e, i) for i, e in enumerate(schedule)]
         self._fired: set[int] = set()
+        self._trainer: Any = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._trainer = trainer  # kind=corrupt reaches the model and the optimizer through it
 
     def at(self, phase: str, *, step: int, rank: int, microbatch: int | None = None, bucket: int | None = None) -> None:
         for i, spec in enumerate(self.schedule):
@@ -105,9 +128,32 @@ class FaultInjection(Callback):
                 file=sys.stderr,
                 flush=True,
             )
+            if spec.kind == "corrupt":
+                self._corrupt(spec.target or "params")
+                continue
             if spec.kind == "stuck":
                 _spin_forever()
             os.kill(os.getpid(), _SIGNALS[spec.kind])
+
+    def _corrupt(self, target: str) -> None:
+        """Flip one bit of this rank's ``target`` in place (see the module docstring)."""
+        strategy = self._trainer.strategy
+        p = next(q for q in strategy.model.parameters() if q.requires_grad)
+        if target == "params":
+            t = p.data
+        elif target == "grads":
+            if p.grad is None:
+                raise RuntimeError("kind=corrupt target=grads fired where the parameter has no gradient; use phase=optimizer")
+            t = p.grad
+        else:
+            opt = getattr(strategy.optimizers[0], "_optimizer", strategy.optimizers[0])  # the torch optimizer inside
+            state = [v for _, v in sorted(opt.state.get(p, {}).items()) if isinstance(v, torch.Tensor) and v.numel() > 1]
+            if not state:
+                raise RuntimeError("kind=corrupt target=optimizer fired before the optimizer has state; use a later step")
+            t = state[0]
+        local = t.to_local() if hasattr(t, "to_local") else t
+        words = local.view(-1).view(torch.int32) if local.element_size() == 4 else local.view(-1).view(torch.int16)
+        words[0] ^= 1 << (20 if local.element_size() == 4 else 10)
 
 
 def _spin_forever() -> None:

@@ -54,7 +54,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_recover import lifecycle, rejoin
-from lightning_recover.callbacks import BoundaryScheduler, BufferSync, EpochCheck, ReductionBuffers, fallback_checkpoint
+from lightning_recover.callbacks import (
+    BoundaryScheduler,
+    BufferSync,
+    CorruptionCheck,
+    EpochCheck,
+    ReductionBuffers,
+    fallback_checkpoint,
+)
 from lightning_recover.callbacks.checkpoint import is_fallback
 from lightning_recover.communicator import FaultTolerantComm
 from lightning_recover.config import ConfigurationError, RecoverConfig
@@ -132,7 +139,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     Pass ``config=RecoverConfig(...)`` or its fields as keywords (``shards``,
     ``grad_accum``, ``target_replicas``, ``policy``, ``min_replicas``, ``bucket_mb``,
     ``ledger_path``, ``seed``, ``timeout_s``, ``hang_timeout_s``, ``stuck_timeout_s``, and
-    ``checkpoint_dir`` / ``checkpoint_every_n_steps`` / ``checkpoint_async_save`` / ``checkpoint_consolidate`` for ``checkpoint``); every setting is
+    ``checkpoint_dir`` / ``checkpoint_every_n_steps`` / ``checkpoint_async_save`` / ``checkpoint_consolidate`` for ``checkpoint``,
+    ``sdc_every_n_steps`` / ``sdc_action`` for ``sdc``, ``rejoin`` and its ``rejoin_*`` settings); every setting is
     documented and validated in :class:`lightning_recover.config.RecoverConfig`.
 
     Checkpoints resume with ``trainer.fit(..., ckpt_path=resolve_ckpt_path("last", dir))``,
@@ -381,6 +389,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         for cls in DEFAULT_CALLBACKS:
             if not any(isinstance(c, cls) for c in trainer.callbacks):
                 trainer.callbacks.append(cls())
+        sdc = self.config.sdc
+        if sdc.enabled and not any(isinstance(c, CorruptionCheck) for c in trainer.callbacks):
+            trainer.callbacks.append(CorruptionCheck(sdc.every_n_steps, sdc.action))
         ckpt = self.config.checkpoint
         if ckpt.enabled and not any(is_fallback(c, ckpt.dir) for c in trainer.callbacks):  # type: ignore[arg-type]
             trainer.callbacks.append(fallback_checkpoint(ckpt.dir, ckpt.every_n_steps))  # type: ignore[arg-type]

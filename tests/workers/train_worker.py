@@ -20,7 +20,7 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_recover.callbacks import FaultInjection, RecoveryCallback, resolve_ckpt_path  # noqa: E402
+from lightning_recover.callbacks import CorruptionCheck, FaultInjection, RecoveryCallback, resolve_ckpt_path  # noqa: E402
 from lightning_recover.policy import PolicyError  # noqa: E402
 from lightning_recover.strategies import ReCoVerHSDPStrategy  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -58,6 +58,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-workers", type=int, default=0, help="DataLoader(num_workers=...); loads are recorded under $LR_TEST_OUT/loads")
     ap.add_argument("--persistent-workers", action="store_true", help="DataLoader(persistent_workers=True)")
     ap.add_argument("--rejoin", action="store_true", help="hot re-join: replace lost replicas (backoff 0.5 s)")
+    ap.add_argument("--sdc-every", type=int, default=1,
+                    help="recover.sdc.every_n_steps (default 1: every run also counts as a false-positive check); 0 = off")
+    ap.add_argument("--sdc-action", default="repair", help="recover.sdc.action")
     ap.add_argument("--rejoin-hosts", default=None, help="recover.rejoin_hosts")
     ap.add_argument("--rejoin-attempts", type=int, default=3, help="recover.rejoin_attempts")
     ap.add_argument("--slow-while-degraded", type=float, default=0.0, metavar="SECONDS",
@@ -181,7 +184,7 @@ def main() -> None:
         ledger_path=out / "ledger.jsonl", seed=args.seed, bucket_mb=0.01, min_replicas=args.min_replicas,
         checkpoint_dir=args.ckpt_dir, checkpoint_every_n_steps=args.ckpt_every,
         rejoin=args.rejoin, rejoin_backoff_s=0.5, rejoin_timeout_s=60.0, rejoin_hosts=args.rejoin_hosts,
-        rejoin_attempts=args.rejoin_attempts,
+        rejoin_attempts=args.rejoin_attempts, sdc_every_n_steps=args.sdc_every, sdc_action=args.sdc_action,
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,
@@ -218,6 +221,9 @@ def main() -> None:
         "global_step": trainer.global_step, "leader": strategy.global_rank == 0, "last": strategy.last_record,
         "samples_seen": float(model.samples_seen.compute()),
     }
+    sdc = [cb for cb in trainer.callbacks if isinstance(cb, CorruptionCheck)]
+    if sdc:
+        result.update(sdc_checks=sdc[0].checks, sdc_detections=sdc[0].detections)
     if user_ckpt:
         cb = user_ckpt[0]
         result["best_model_path"], result["last_model_path"] = cb.best_model_path, cb.last_model_path
