@@ -81,6 +81,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--corpus-bytes", type=int, default=2_000_000)
     ap.add_argument("--faults", default="[]", help="recover/adaptive: FaultInjection schedule (JSON list)")
     ap.add_argument("--rejoin", action="store_true", help="recover: hot re-join (replacements for lost replicas)")
+    ap.add_argument("--sdc-every", type=int, default=0, help="recover: silent-data-corruption check every N steps (0 = off)")
     ap.add_argument("--kills", default="[]", help='cr: JSON list of {"step": t, "rank": r}')
     ap.add_argument("--ckpt-every", type=int, default=0, help="cr: ModelCheckpoint(every_n_train_steps=N)")
     ap.add_argument("--record-loss", action="store_true", help="stock/cr: write the per-step global mean loss")
@@ -248,7 +249,7 @@ def main() -> None:
         strategy = ReCoVerHSDPStrategy(shards=args.shards, grad_accum=args.grad_accum,
                                        policy="static" if args.system == "recover" else "adaptive",
                                        ledger_path=args.out / "ledger.jsonl", seed=args.seed,
-                                       rejoin=args.rejoin, rejoin_backoff_s=1.0)
+                                       rejoin=args.rejoin, rejoin_backoff_s=1.0, sdc_every_n_steps=args.sdc_every)
         trainer = L.Trainer(devices=1, strategy=strategy, enable_checkpointing=False,
                             callbacks=[clock, FaultInjection(json.loads(args.faults))], **common)
         trainer.fit(model, DataLoader(data, batch_size=args.mbs))

@@ -13,6 +13,13 @@ first). Every run is checked against the invariants the project promises:
 * every surviving replica holds bitwise-identical parameters;
 * every injected fault that fired was recovered (appears in the ledger's faults).
 
+Every run also checks for silent data corruption after each step (``recover.sdc``,
+repair): in a run without injected corruption a detection is a *false positive* and a
+violation. With ``--corrupt`` every run also gets one ``kind: corrupt`` fault -- a bit flip
+in a rank's parameters or optimizer state just before a step's update, or in its
+gradients mid-step when a spare shadows it -- which must be detected (an ``sdc`` event in
+the ledger, unless the rank died first) and leave the trajectory exact.
+
 With ``--joins`` every run also has hot re-join on (``rejoin=True``): lost replicas are
 replaced while the survivors train (every rank sleeps 1 s after each step while replicas
 are missing, so a replacement can start on 2 cores), and about half of the lost replicas'
@@ -82,11 +89,13 @@ class ChaosRun:
 JOIN_PHASES = ("join_startup", "join_transfer", "joined")
 
 
-def draw_run(index: int, rng: random.Random, steps: int, hangs: bool = True, stuck: bool = False, joins: bool = False) -> ChaosRun:
+def draw_run(
+    index: int, rng: random.Random, steps: int, hangs: bool = True, stuck: bool = False, joins: bool = False, corrupt: bool = False
+) -> ChaosRun:
     """One random run. A fifth of the faults are silent (SIGSTOP, or with ``stuck`` half of
     those spin in compute instead); ``stuck`` does not change the other draws of a seed.
-    ``joins`` turns re-join on and adds faults on replacements (drawn after the others, so
-    the rest of a seed's draw is the same)."""
+    ``joins`` turns re-join on and adds faults on replacements, ``corrupt`` adds one bit
+    flip (both drawn after the others, so the rest of a seed's draw is the same)."""
     W, S, T = rng.choice(TOPOLOGIES)
     run = ChaosRun(index, W, S, T, grad_accum=rng.randint(1, 3), steps=steps, seed=rng.randint(0, 2**31 - 1))
     losses = rng.randint(1, W - 1)
@@ -110,6 +119,24 @@ def draw_run(index: int, rng: random.Random, steps: int, hangs: bool = True, stu
             if rng.random() < 0.5:
                 rank = replica * S + rng.randrange(S)
                 run.faults.append({"step": rng.randint(1, 2), "rank": rank, "phase": rng.choice(JOIN_PHASES), "kind": "kill"})
+    if corrupt and run.replicas >= 3:  # two replicas cannot tell which copy is right: that job stops (tested apart)
+        rank = rng.randrange(run.world)
+        target = rng.choice(("params", "optimizer", "grads"))
+        spares = range((run.target or run.replicas) * S, run.world)
+        quiet_step0 = not any(f["step"] == 0 for f in run.faults)
+        if target == "grads" and run.grad_accum > 1 and spares and quiet_step0:
+            # Mid-step, in a spare's shadow copy (the only copy the cross-check compares before the
+            # reduction), in step 0, while no failure has changed the roles yet.
+            run.faults.append({"step": 0, "rank": rng.choice(list(spares)), "phase": "backward", "microbatch": 1,
+                               "kind": "corrupt", "target": "grads"})
+        else:
+            # A step where at least 3 replicas are certainly live (a majority can name the odd one);
+            # the optimizer has no state before its first update (step 0).
+            first = 1 if target == "optimizer" else 0
+            ok = [t for t in range(first, steps) if run.replicas - sum(1 for f in run.faults if f["step"] <= t) >= 3]
+            if ok:
+                run.faults.append({"step": rng.choice(ok), "rank": rank, "phase": "optimizer",
+                                   "kind": "corrupt", "target": "params" if target == "grads" else target})
     return run
 
 
@@ -162,7 +189,7 @@ def job(config_path: str) -> None:
     import lightning as L
     from torch.utils.data import DataLoader
 
-    from lightning_recover.callbacks import FaultInjection
+    from lightning_recover.callbacks import CorruptionCheck, FaultInjection
     from lightning_recover.strategies import ReCoVerHSDPStrategy
 
     cfg = json.loads(Path(config_path).read_text())
@@ -172,6 +199,7 @@ def job(config_path: str) -> None:
         shards=cfg["shards"], grad_accum=cfg["grad_accum"], target_replicas=cfg["target"], seed=cfg["seed"],
         ledger_path=out / "ledger.jsonl", bucket_mb=0.01,
         rejoin=cfg.get("rejoin", False), rejoin_backoff_s=0.5, rejoin_timeout_s=60.0,
+        sdc_every_n_steps=1, sdc_action="repair",
     )
     slow = [slow_while_degraded(1.0)] if cfg.get("rejoin") else []
     trainer = L.Trainer(
@@ -185,7 +213,10 @@ def job(config_path: str) -> None:
     with strategy.replica_guard("final parameter gather"):
         digest = param_digest(model)
     if comm.shard == 0:
-        (out / f"rank{comm.rank}.json").write_text(json.dumps({"rank": comm.rank, "replica": comm.replica, "digest": digest}))
+        sdc = next(cb for cb in trainer.callbacks if isinstance(cb, CorruptionCheck))
+        (out / f"rank{comm.rank}.json").write_text(json.dumps(
+            {"rank": comm.rank, "replica": comm.replica, "digest": digest, "sdc_checks": sdc.checks, "sdc_detections": sdc.detections}
+        ))
     strategy.shutdown(exit_code=0)
 
 
@@ -243,6 +274,12 @@ class Outcome:
     #: Per step that lost a hung or stuck replica: the longest failed round, i.e. how long the
     #: survivors were blocked before the watchdog's kill freed them.
     detects: list[float] = field(default_factory=list)
+    #: Corruption checks run and detections, summed over the ranks that finished.
+    sdc_checks: int = 0
+    sdc_detections: int = 0
+    #: Injected corruptions that fired, and how many of them the ledger shows detected.
+    corruptions: int = 0
+    corruptions_found: int = 0
 
 
 def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) -> Outcome:
@@ -294,6 +331,8 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
     lost = sorted({r for line in ledger for r in line["faults"]})
     log_text = (outdir / "job.log").read_text(errors="replace")
     hit = [f for f in run.faults if f"{f['kind']} rank {f['rank']} at step {f['step']} {f['phase']}" in log_text]
+    corrupted = [f for f in hit if f["kind"] == "corrupt"]
+    hit = [f for f in hit if f["kind"] != "corrupt"]
     # A death between the last commit and the end of training is in no step's faults.
     late = {f["rank"] // run.shards for f in hit if f["step"] == run.steps - 1 and f["phase"] == "optimizer"}
     # A replacement killed before it was admitted was never a member the ledger counts.
@@ -305,6 +344,16 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
     for f in outdir.glob("rank*.json"):
         res = json.loads(f.read_text())
         survivors[res["replica"]] = res["digest"]
+        out.sdc_checks += res.get("sdc_checks", 0)
+        out.sdc_detections += res.get("sdc_detections", 0)
+    events = [e for line in ledger for e in line.get("sdc", [])]
+    out.corruptions, out.corruptions_found = len(corrupted), min(len(corrupted), len(events))
+    if events and not corrupted:
+        out.violations.append(f"false positive: {len(events)} corruption event(s) in a run without injected corruption: {events}")
+    for f in corrupted:
+        # Found unless the corrupted rank's replica was lost before the check could see it.
+        if not events and f["rank"] // run.shards not in lost:
+            out.violations.append(f"corruption of rank {f['rank']} ({f['target']}) at step {f['step']} was not detected")
     alive = (set(ledger[-1]["replicas"]) if ledger else set()) - late
     if set(survivors) != alive:
         out.violations.append(f"survivor results from replicas {sorted(survivors)} but the ledger ends with {sorted(alive)}")
@@ -318,12 +367,12 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
 
 def campaign(
     runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, hangs: bool = True, stuck: bool = False,
-    joins: bool = False,
+    joins: bool = False, corrupt: bool = False,
 ) -> list[Outcome]:
     rng = random.Random(seed)
     outcomes = []
     for i in range(runs):
-        run = draw_run(i, rng, steps, hangs=hangs, stuck=stuck, joins=joins)
+        run = draw_run(i, rng, steps, hangs=hangs, stuck=stuck, joins=joins, corrupt=corrupt)
         res = execute(run, outdir / f"run{i:04d}", hang_timeout, bound_s)
         outcomes.append(res)
         status = "OK" if not res.violations else "VIOLATION: " + "; ".join(res.violations)
@@ -344,6 +393,9 @@ def summary(outcomes: list[Outcome]) -> str:
         ("runs", len(outcomes)), ("faults scheduled", faults), ("faults injected (fired)", fired),
         ("recovered", recovered), ("violations", violations), ("hangs", hangs),
         ("median recovery pause", f"{med:.3f}s"),
+        ("corruption checks (all ranks)", sum(o.sdc_checks for o in outcomes)),
+        ("corruptions injected / detected", f"{sum(o.corruptions for o in outcomes)} / {sum(o.corruptions_found for o in outcomes)}"),
+        ("sdc false positives", sum(1 for o in outcomes if any(v.startswith("false positive") for v in o.violations))),
     ]
     if detects:
         rows.append(("silent-fault detection", f"n={len(detects)} median {detects[len(detects) // 2]:.2f}s max {detects[-1]:.2f}s"))
@@ -365,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bound", type=float, default=240.0, help="a run longer than this counts as a hang")
     ap.add_argument("--no-hangs", action="store_true", help="inject SIGKILLs only")
     ap.add_argument("--stuck", action="store_true", help="half of the silent faults spin in compute instead of SIGSTOP")
+    ap.add_argument("--corrupt", action="store_true", help="one bit-flip corruption per run (silent data corruption)")
     ap.add_argument("--joins", action="store_true", help="hot re-join on, and faults on the replacements (needs --steps >= 30)")
     args = ap.parse_args(argv)
     if args.runs < 1:
@@ -373,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--joins needs --steps >= 30 (a replacement takes seconds to start), got {args.steps}")
     outcomes = campaign(
         args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, hangs=not args.no_hangs, stuck=args.stuck,
-        joins=args.joins,
+        joins=args.joins, corrupt=args.corrupt,
     )
     print(summary(outcomes))
     bad = any(o.violations for o in outcomes)

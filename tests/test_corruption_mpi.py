@@ -46,20 +46,36 @@ def assert_fault_free_trajectory(job: MPIJob, argv: list[str], replicas: int) ->
     return results
 
 
-def test_bit_flip_in_parameters_is_found_at_once_and_repaired_in_place(tmp_path: Path) -> None:
-    argv = ["--steps", "8", "--sdc-every", "1", "--sdc-action", "repair"]
-    job = launch(tmp_path, 4, argv, [corrupt(3, 2, "params")])
+def test_gradients_caught_before_the_reduction_and_parameters_repaired_in_place(tmp_path: Path) -> None:
+    """4 replicas, T=3 (replica 3 is a spare shadowing a contributor). Step 1: a bit of the spare's
+    accumulated gradient flips mid-step; the cross-check catches it before the reduction and the
+    pair recomputes. Step 3: a bit of replica 2's parameters flips before the update; the
+    fingerprint check after the commit names it by majority and it is repaired in place. The
+    trajectory and the final weights are the fault-free run's."""
+    argv = ["--steps", "8", "--target", "3", "--sdc-every", "1", "--sdc-action", "repair"]
+    faults = [
+        {"step": 1, "rank": 3, "phase": "backward", "microbatch": 1, "kind": "corrupt", "target": "grads"},
+        corrupt(3, 2, "params"),
+    ]
+    job = launch(tmp_path, 4, argv, faults)
     assert job.returncode == 0, job.describe()
     results = assert_fault_free_trajectory(job, argv, 4)
     assert sorted(results) == [0, 1, 2, 3] and all(r["alive"] == [0, 1, 2, 3] for r in results.values())
     events = [(rec["step"], e) for rec in ledger(job) for e in rec.get("sdc", [])]
-    assert events == [(3, {"step": 3, "replicas": [2], "shards": [0], "what": "parameters+optimizer state", "lag_steps": 1, "action": "repair"})]
+    assert len(events) == 2, events
+    (s1, grads), (s3, params) = events
+    assert s1 == 1 and grads["what"] == "gradients (spare cross-check)" and grads["action"] == "recompute"
+    assert 3 in grads["replicas"] and len(grads["replicas"]) == 2  # the spare and the contributor it shadows
+    assert (s3, params) == (3, {"step": 3, "replicas": [2], "shards": [0], "what": "parameters+optimizer state", "lag_steps": 1, "action": "repair"})
+    assert "computed different gradients; both recompute the step before it is reduced" in job.stderr
     assert "silent data corruption after step 3: replica(s) [2] differ in shard(s) [0]" in job.stderr
-    assert sum(r["sdc_detections"] for r in results.values()) == 4  # every rank saw the one corruption, once
 
 
-def test_corrupted_optimizer_state_of_a_sharded_replica_is_evicted(tmp_path: Path) -> None:
-    """2 shards x 3 replicas would not fit 2 cores well: 3 replicas x 1 shard, evict; then 2 replicas go on."""
+def test_corrupted_optimizer_state_is_found_by_majority_and_the_replica_evicted(tmp_path: Path) -> None:
+    """3 replicas; replica 1's optimizer state is corrupted before step 2's update; the check after
+    step 3 (every 2 steps, so within N) evicts it and the 2 others go on, bitwise alike. With N = 2
+    the corrupted replica's step-3 gradients reached the sum (the documented cost of N > 1); a
+    one-bit flip moves the trajectory less than the reference tolerance here."""
     argv = ["--steps", "8", "--sdc-every", "2", "--sdc-action", "evict"]
     job = launch(tmp_path, 3, argv, [corrupt(2, 1, "optimizer")])
     assert job.returncode == 0, job.describe()

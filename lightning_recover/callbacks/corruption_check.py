@@ -15,6 +15,16 @@ the odd ones out by majority. Then, on every rank alike:
   right, so every rank stops with :class:`SilentDataCorruptionError` (once the step's
   ledger line is written), whose message says to relaunch from the newest checkpoint.
 
+**Gradient cross-check.** A spare computes the same microbatches as the contributor it
+shadows, so before every reduction their accumulated gradients must agree bit for bit
+(the redundant compute the protocol already pays for a free promotion). The check runs
+each step a spare shadows someone, in ``on_before_reduce``: one fingerprint of the local
+gradients per rank, one gather. A pair that differs cannot say which of the two computed
+wrongly, so both recompute their microbatches from a fresh accumulator
+(:attr:`StepState.redo`) and compare again; a transient corruption is gone and the step
+commits as if nothing happened -- it never reached the optimizer. A pair that still
+differs stops the job (:class:`SilentDataCorruptionError`).
+
 Every detection adds an event to the step's ledger line (``sdc``: the step, the replicas
 and shard indices that differed, what was compared, the detection lag -- steps since the
 last clean check, an upper bound on how long the corruption went unseen -- and the
@@ -35,6 +45,7 @@ from typing_extensions import override
 from lightning_recover import lifecycle
 from lightning_recover.callbacks.base import RecoveryCallback
 from lightning_recover.corruption import Fingerprint, Verdict, arbitrate, fingerprint
+from lightning_recover.recovery.state import StepState
 
 __all__ = ["CorruptionCheck", "SilentDataCorruptionError", "state_tensors"]
 
@@ -74,10 +85,59 @@ class CorruptionCheck(RecoveryCallback):
         #: Checks run and corruptions found on this rank, for a run's summary.
         self.checks = 0
         self.detections = 0
+        # Gradient cross-check: recomputations asked for in the current step, events to record at its commit.
+        self._redone_in_step: tuple[int, int] | None = None
+        self._pending: list[dict[str, Any]] = []
+
+    @override
+    def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
+        shadowing = {r: p.shadows for r, p in step.plan.plans.items() if not p.contributes and p.shadows is not None}
+        if not shadowing:
+            return
+        strategy = trainer.strategy
+        comm, engine = strategy.comm, strategy.engine
+        # What each accumulator holds, with the print: after a failure a boundary step adds other
+        # ids to some accumulators, and only two that hold the same ids must agree.
+        mine = (comm.replica, comm.shard, tuple(sorted(step.computed)), fingerprint(step.local))
+        rows = engine.run_collective(lambda: comm.allgather_object(mine))
+        if step.replan_pending:
+            step.redo = ()  # a replica died in the gather: the engine re-plans, then this check runs again
+            return
+        prints = {(int(r), int(s)): (tuple(ids), tuple(fp)) for r, s, ids, fp in rows}
+        suspects = sorted({
+            r for spare, shadowed in shadowing.items() for s in range(strategy.config.shards)
+            if (spare, s) in prints and (shadowed, s) in prints
+            and prints[spare, s][0] == prints[shadowed, s][0] and prints[spare, s][1] != prints[shadowed, s][1]
+            for r in (spare, shadowed)
+        })
+        self.checks += 1
+        if not suspects:
+            return
+        self.detections += 1
+        if self._redone_in_step == (step.step, step.world_epoch):
+            raise SilentDataCorruptionError(
+                f"step {step.step}: replicas {suspects} computed different gradients for the same microbatches twice in a "
+                "row (a persistent fault, not a transient one); relaunch from the newest checkpoint without that hardware"
+            )
+        self._redone_in_step = (step.step, step.world_epoch)
+        self._pending.append({
+            "step": step.step, "replicas": suspects, "shards": sorted({s for (_, s) in prints}), "what": "gradients (spare cross-check)",
+            "lag_steps": 0, "action": "recompute",
+        })
+        if comm.is_leader:
+            print(
+                f"[lightning-recover] silent data corruption in step {step.step}: a spare and the contributor it shadows "
+                f"(replicas {suspects}) computed different gradients; both recompute the step before it is reduced",
+                file=sys.stderr, flush=True,
+            )
+        step.redo = tuple(step.mine.ids) if comm.replica in suspects else ()
 
     @override
     def on_step_committed(self, trainer: Any, pl_module: Any, record: dict[str, Any]) -> None:
         step = int(record["step"])
+        if self._pending:
+            record.setdefault("sdc", []).extend(self._pending)
+            self._pending = []
         if (step + 1) % self.every_n_steps:
             return
         strategy = trainer.strategy

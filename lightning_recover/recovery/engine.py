@@ -55,7 +55,7 @@ from lightning_recover.policy import WorkloadPolicy
 from lightning_recover.recovery.hooks import Dispatch
 from lightning_recover.recovery import step_values
 from lightning_recover.recovery.interface import PeerFailure, RepairResult, ReplicaComm
-from lightning_recover.recovery.state import Join, StepState
+from lightning_recover.recovery.state import Join, Schedule, StepState
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -159,6 +159,13 @@ class StepEngine:
                 st.replan_pending = False
                 self._boundary(runner)
             self.dispatch("on_before_reduce", st)
+            if st.redo is not None:
+                # A callback found this step's gradients suspect (a corruption cross-check):
+                # recompute the ids it named from a fresh accumulator, then check again.
+                redo, st.redo = st.redo, None
+                if redo:
+                    self._run_schedule(runner, Schedule(True, redo))
+                continue
             mine = st.mine
             owned = mine.ids if mine.contributes else ()
             keys = step_values.keys_of(st.logged)
@@ -295,11 +302,15 @@ class StepEngine:
                 "no recovery callback scheduled the boundary step (step.schedule is None); keep "
                 "lightning_recover.callbacks.BoundaryScheduler in trainer.callbacks"
             )
-        if st.schedule.reset:
+        self._run_schedule(runner, st.schedule)
+
+    def _run_schedule(self, runner: MicrobatchRunner, schedule: Schedule) -> None:
+        st = self._current()
+        if schedule.reset:
             for grad in runner.local_grads():
                 grad.zero_()
             st.computed, st.losses, st.logged = [], {}, {}
-        self.run(runner, st.schedule.run)
+        self.run(runner, schedule.run)
 
     def repaired(self, res: RepairResult) -> None:
         """Account a repair (in a step or between steps) and tell the callbacks, once per repair."""

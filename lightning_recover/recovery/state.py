@@ -78,6 +78,9 @@ class StepState:
     #: A repair in a collective inside the step (e.g. a metric sync in training_step)
     #: re-planned it; the extra microbatches run before the reduction.
     replan_pending: bool = False
+    #: Set by an ``on_before_reduce`` callback: recompute these ids from a fresh accumulator
+    #: before reducing (every rank sets it, () where nothing is redone; the hook runs again).
+    redo: tuple[int, ...] | None = None
 
     @property
     def mine(self) -> ReplicaPlan:
