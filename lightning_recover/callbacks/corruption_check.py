@@ -18,7 +18,7 @@ the odd ones out by majority. Then, on every rank alike:
 **Gradient cross-check.** A spare computes the same microbatches as the contributor it
 shadows, so before every reduction their accumulated gradients must agree bit for bit
 (the redundant compute the protocol already pays for a free promotion). The check runs
-each step a spare shadows someone, in ``on_before_reduce``: one fingerprint of the local
+in every checked step (every N-th) in which a spare shadows someone, in ``on_before_reduce``: one fingerprint of the local
 gradients per rank, one gather. A pair that differs cannot say which of the two computed
 wrongly, so both recompute their microbatches from a fresh accumulator
 (:attr:`StepState.redo`) and compare again; a transient corruption is gone and the step
@@ -91,6 +91,8 @@ class CorruptionCheck(RecoveryCallback):
 
     @override
     def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
+        if (step.step + 1) % self.every_n_steps:
+            return  # the cross-check runs in the steps whose commit is checked
         shadowing = {r: p.shadows for r, p in step.plan.plans.items() if not p.contributes and p.shadows is not None}
         if not shadowing:
             return
