@@ -39,6 +39,31 @@ def default_every() -> int:
     return SDCConfig().every_n_steps
 
 
+def fingerprint_cost(size: str, repeats: int = 10) -> tuple[float, int]:
+    """Median seconds of one fingerprint of the example GPT's parameters + AdamW state, in this process; and its bytes."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from model import GPT, SIZES
+
+    from lightning_recover.callbacks.corruption_check import state_tensors
+    from lightning_recover.corruption import fingerprint
+
+    torch.set_num_threads(1)
+    model = GPT(**SIZES[size], dropout=0.0, warmup_steps=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # creates the optimizer state the check covers
+    tensors = state_tensors(model, [opt])
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fingerprint(tensors)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), sum(t.numel() * t.element_size() for t in tensors)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -101,8 +126,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{n:5d} {med:14.4f} {'-':>8s} {'':>16s}")
         summary[n] = row
+    cost, nbytes = fingerprint_cost(args.size)
+    step = summary[0]["median_s"]
+    print(f"one fingerprint of a rank's parameters + AdamW state ({nbytes / 2**20:.1f} MiB), measured in one process: "
+          f"{cost * 1e3:.1f} ms = {100 * cost / step:.2f}% of a median step at N=1, "
+          f"{100 * cost / step / max(default, 1):.3f}% at N={default} (the gather of 16 bytes per rank comes on top)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"benchmark": "sdc_overhead", "layout": layout, "default_every_n_steps": default,
+                                    "fingerprint_s": cost, "fingerprint_bytes": nbytes,
                                     "config": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
                                     "runs": runs, "total_s": time.time() - t_all}, indent=1))
     print(f"wrote {args.out}")

@@ -176,7 +176,6 @@ class Recruiter:
         self.started_attempts = 0
         self.failures_in_a_row = 0
         self._next_try = 0.0
-        self._gave_up = False
 
     def joined_at(self, attempt: int) -> None:
         """A replacement admitted by ``attempt`` continues the survivors' count (every member must
