@@ -113,3 +113,18 @@ def test_checkpoint_save_benchmark_prints_the_async_sync_ratio(tmp_path: Path, c
     assert [line.split(":")[0].strip() for line in lines[1:3]] == ["sync", "async"]
     assert lines[-1] == f"async/sync blocking time: {ratio:.2f}x" and ratio > 0
     assert not list(tmp_path.iterdir()), "the benchmark cleans up what it wrote"
+
+
+def test_rejoin_benchmark_summary_reads_join_costs_and_phase_step_times_from_a_ledger() -> None:
+    import rejoin  # benchmarks/rejoin.py
+
+    def line(step: int, t: float, faults=(), joins=()) -> dict:
+        return {"step": step, "step_time_s": t, "faults": list(faults), "joins": list(joins)}
+
+    ledger = [line(0, 1.0), line(1, 1.0), line(2, 2.0, faults=[3]), line(3, 2.0), line(4, 2.0),
+              line(5, 1.5, joins=[{"replica": 3, "pause_s": 0.2, "transfer_s": 0.1, "ok": True}]), line(6, 0.5), line(7, 0.5)]
+    s = rejoin.summarize(ledger, kill_step=2)
+    assert s["lost_at_step"] == 2 and s["arrival_steps"] == 3 and s["arrival_s"] == pytest.approx(6.0)
+    assert (s["pause_median_s"], s["transfer_median_s"]) == (0.2, 0.1)
+    assert (s["step_s_before"], s["step_s_degraded"], s["step_s_after_join"]) == (1.0, 2.0, 0.5)
+    assert rejoin.summarize(ledger[:3], kill_step=2)["joins"] == []

@@ -1,0 +1,113 @@
+"""Hot re-join, measured: what a join costs the survivors, and how long a replacement takes to arrive.
+
+Run it as ``python benchmarks/rejoin.py`` (about 1-2 minutes on a 2-core machine). One
+launched 4-rank job of ``benchmarks/bench_job.py`` (the example GPT, ReCoVer, 4 replicas x
+1 shard, ``rejoin=True``): rank ``--victim`` is SIGKILLed in step ``--kill-step``, a
+replacement is spawned while the survivors train, and it joins once it is ready. From the
+job's step ledger it prints, per join:
+
+* the survivors' blocked time (``pause_s``: the world's growth plus the state transfer;
+  the spawn itself runs in a background thread and blocks nobody) and the state transfer's
+  time (``transfer_s``), also in units of the median step;
+* how long the replacement took to arrive (steps and seconds from the loss to its first
+  step): on this 2-core machine it imports torch on cores the survivors use;
+* the median step time with 4 replicas before the loss, with 3 while the replacement
+  starts, and with 4 again after the join.
+
+Results go to ``benchmarks/results/rejoin.json``; the last line printed is the headline
+``re-join: survivors blocked 0.09 s per join (0.26 of a step), state transfer 0.08 s; ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from overhead import launch, wait_quiet  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "rejoin.json"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=120, help="max_steps (enough for the replacement to arrive)")
+    p.add_argument("--kill-step", type=int, default=5)
+    p.add_argument("--victim", type=int, default=3, help="original rank SIGKILLed")
+    p.add_argument("--size", default="small")
+    p.add_argument("--mbs", type=int, default=4)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=400)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    return p.parse_args(argv)
+
+
+def summarize(ledger: list[dict], kill_step: int) -> dict:
+    """Join costs and phase step times from a ledger (pure; tests call it)."""
+    by_step = {d["step"]: d for d in ledger}
+    steps = sorted(by_step)
+    joins = [{**j, "step": s} for s in steps for j in by_step[s].get("joins", [])]
+    lost_at = next((s for s in steps if by_step[s]["faults"]), None)
+    first_join = joins[0]["step"] if joins else None
+    t = [by_step[s]["step_time_s"] for s in steps]
+    before = [by_step[s]["step_time_s"] for s in steps if s < (lost_at if lost_at is not None else len(steps))]
+    degraded = [by_step[s]["step_time_s"] for s in steps if lost_at is not None and lost_at < s < (first_join or 10**9)]
+    after = [by_step[s]["step_time_s"] for s in steps if first_join is not None and s > first_join]
+    med = statistics.median(t) if t else float("nan")
+    out = {
+        "steps": len(steps), "lost_at_step": lost_at, "joins": joins, "median_step_s": med,
+        "step_s_before": statistics.median(before) if before else None,
+        "step_s_degraded": statistics.median(degraded) if degraded else None,
+        "step_s_after_join": statistics.median(after) if after else None,
+    }
+    if joins and lost_at is not None:
+        out["arrival_steps"] = first_join - lost_at
+        out["arrival_s"] = sum(by_step[s]["step_time_s"] for s in steps if lost_at <= s < first_join)
+        out["pause_median_s"] = statistics.median(j["pause_s"] for j in joins)
+        out["transfer_median_s"] = statistics.median(j["transfer_s"] for j in joins)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="lr-rejoin-"))
+    faults = [{"step": args.kill_step, "rank": args.victim, "phase": "backward", "kind": "kill"}]
+    job = ["--system", "recover", "--rejoin", "--shards", "1", "--grad-accum", str(args.grad_accum), "--mbs", str(args.mbs),
+           "--steps", str(args.steps), "--size", args.size, "--faults", json.dumps(faults)]
+    print(f"rejoin: 4 replicas x 1 shard, {args.steps} steps, rank {args.victim} killed in step {args.kill_step} (work dir {work})",
+          flush=True)
+    wait_quiet(5.0)
+    res = launch(job, work, args.timeout)
+    ledger = [json.loads(line) for line in (work / "ledger.jsonl").read_text().splitlines()] if (work / "ledger.jsonl").exists() else []
+    s = summarize(ledger, args.kill_step)
+    ok = res["rc"] == 0 and s["steps"] == args.steps and bool(s["joins"])
+    if not ok:
+        print(res["log_tail"][-2000:], file=sys.stderr)
+    for j in s["joins"]:
+        print(f"  join of replica {j['replica']} before step {j['step']}: survivors blocked {j['pause_s']:.3f} s "
+              f"({j['pause_s'] / s['median_step_s']:.2f} of a step), state transfer {j['transfer_s']:.3f} s, "
+              f"committed its first step: {j.get('ok')}")
+    fmt = lambda v: f"{v:.3f} s" if v is not None else "-"  # noqa: E731
+    print(f"median step: {fmt(s['step_s_before'])} with 4 replicas, {fmt(s['step_s_degraded'])} with 3 while the replacement "
+          f"starts, {fmt(s['step_s_after_join'])} with 4 again; job wall {res['wall_s']:.1f} s, other work "
+          f"{res['foreign_cores'] if res['foreign_cores'] is not None else float('nan'):.2f} cores")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"benchmark": "rejoin", "config": {k: str(v) for k, v in vars(args).items()}, "ok": ok,
+                                    "wall_s": res["wall_s"], "foreign_cores": res["foreign_cores"], **s}, indent=1, default=str))
+    print(f"wrote {args.out}")
+    if not s["joins"]:
+        print("re-join: no join happened (the replacement did not arrive before the run ended; raise --steps)")
+        return 1
+    print(f"re-join: survivors blocked {s['pause_median_s']:.3f} s per join ({s['pause_median_s'] / s['median_step_s']:.2f} "
+          f"of a step), state transfer {s['transfer_median_s']:.3f} s; the replacement arrived {s['arrival_steps']} steps "
+          f"({s['arrival_s']:.1f} s) after the loss")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
