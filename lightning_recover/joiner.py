@@ -8,20 +8,31 @@ user's script under its original argv; the strategy finds the seat with
 :func:`lightning_recover.rejoin.seat` and joins at a step boundary.
 
 A timer bounds the whole wait: a replacement that is not admitted within the seat's
-timeout (its attempt was dropped, the survivors died) leaves by itself.
+timeout (its attempt was dropped, the survivors died or finished) leaves by itself; if it
+is wedged inside MPI (MPI_Init with its parents gone), SIGALRM ends it shortly after.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import runpy
+import signal
 import sys
 import threading
 
 from lightning_recover import lifecycle, rejoin
 
 
+#: Seconds past the timeout after which the kernel ends a replacement the timer thread could not.
+_BACKSTOP_S = 15
+
+
 def _leave_after(seconds: float, rank_hint: str) -> threading.Timer:
+    """Leave if not admitted within ``seconds``: a timer thread says why and exits; SIGALRM
+    (its default action ends the process) backs it up, since a process stuck in MPI_Init --
+    its survivors gone -- never gives the timer thread the interpreter."""
+
     def expire() -> None:
         if not _admitted.is_set():
             print(f"[lightning-recover] replacement {rank_hint}: not admitted after {seconds:g} s; leaving", file=sys.stderr, flush=True)
@@ -30,6 +41,8 @@ def _leave_after(seconds: float, rank_hint: str) -> threading.Timer:
     timer = threading.Timer(seconds, expire)
     timer.daemon = True
     timer.start()
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.alarm(max(1, math.ceil(seconds)) + _BACKSTOP_S)
     return timer
 
 
@@ -40,6 +53,7 @@ _admitted = threading.Event()
 def admitted() -> None:
     """The strategy's signal that this replacement joined the world."""
     _admitted.set()
+    signal.alarm(0)
 
 
 def main(argv: list[str]) -> None:
