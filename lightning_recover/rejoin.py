@@ -176,6 +176,8 @@ class Recruiter:
         self.started_attempts = 0
         self.failures_in_a_row = 0
         self._next_try = 0.0
+        # Buffers of decisions sent without waiting (their requests are freed; MPI may still read them).
+        self._sent: list[np.ndarray] = []
 
     def joined_at(self, attempt: int) -> None:
         """A replacement admitted by ``attempt`` continues the survivors' count (every member must
@@ -293,20 +295,27 @@ class Recruiter:
             self._abort(att)
 
     def _abort(self, att: JoinAttempt) -> None:
+        """Tell the replacements ABORT, never blocking: a send to one that is gone must not hold a survivor."""
         MPI = _mpi()
         if self.comm.is_leader and att.merged is not None:
+            abort = np.array([ABORT], dtype=np.int64)
+            self._sent.append(abort)  # the buffer outlives the freed requests
             for r in att.joiner_ranks():
                 try:
-                    att.merged.Send([np.array([ABORT], dtype=np.int64), MPI.INT64_T], dest=r, tag=TAG_DECISION)
+                    att.merged.Isend([abort, MPI.INT64_T], dest=r, tag=TAG_DECISION).Free()
                 except MPI.Exception:
                     pass  # that one is dead
 
-    def drop(self, reason: str) -> None:
-        """Give the open attempt up (on every survivor): tell live replacements, back off."""
+    def drop(self, reason: str, *, notify: bool = True) -> None:
+        """Give the open attempt up (on every survivor): tell live replacements (``notify``), back off.
+
+        After a repair nobody is told: a member of the merged communicator died, which
+        interrupts the replacements' wait for the decision by itself."""
         att, self.attempt = self.attempt, None
         if att is None:
             return
-        self._abort(att)
+        if notify:
+            self._abort(att)
         self.failures_in_a_row += 1
         self._next_try = time.monotonic() + self.backoff_s * 2 ** (self.failures_in_a_row - 1)
         if self.comm.is_leader:
@@ -326,9 +335,11 @@ class Recruiter:
         if att.merged is None:
             raise RuntimeError(f"re-join attempt {att.number}: the merge completed on the leader but not here ({att.error})")
         if self.comm.is_leader:
+            go = np.array([GO], dtype=np.int64)
+            self._sent.append(go)
             for r in att.joiner_ranks():
                 try:
-                    att.merged.Send([np.array([GO], dtype=np.int64), MPI.INT64_T], dest=r, tag=TAG_DECISION)
+                    att.merged.Isend([go, MPI.INT64_T], dest=r, tag=TAG_DECISION).Free()
                 except MPI.Exception:
                     pass  # grow's agreement below fails everywhere
         if not self.comm.grow(att.merged):

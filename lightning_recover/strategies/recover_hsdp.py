@@ -805,7 +805,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         """A repair moved leadership, perhaps to this rank: Lightning's rank-zero gates follow."""
         self._on_membership()
         if self.recruiter is not None and self.recruiter.attempt is not None:
-            self.recruiter.drop(f"the survivors' world was repaired (lost replica(s) {list(res.lost_replicas)})")
+            self.recruiter.drop(f"the survivors' world was repaired (lost replica(s) {list(res.lost_replicas)})", notify=False)
         if self.comm is not None and self.global_rank == 0:
             print(
                 f"[lightning-recover] world epoch {self.comm.world_epoch}: lost replica(s) {list(res.lost_replicas)}; "
