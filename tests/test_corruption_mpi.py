@@ -64,7 +64,7 @@ def test_gradients_caught_before_the_reduction_and_parameters_repaired_in_place(
     events = [(rec["step"], e) for rec in ledger(job) for e in rec.get("sdc", [])]
     assert len(events) == 2, events
     (s1, grads), (s3, params) = events
-    assert s1 == 1 and grads["what"] == "gradients (spare cross-check)" and grads["action"] == "recompute"
+    assert s1 == 1 and grads["what"] == "gradients (spare cross-check)" and grads["action"] == "recompute" and grads["shards"] == [0]
     assert 3 in grads["replicas"] and len(grads["replicas"]) == 2  # the spare and the contributor it shadows
     assert (s3, params) == (3, {"step": 3, "replicas": [2], "shards": [0], "what": "parameters+optimizer state", "lag_steps": 1, "action": "repair"})
     assert "computed different gradients; both recompute the step before it is reduced" in job.stderr

@@ -88,6 +88,8 @@ class CorruptionCheck(RecoveryCallback):
         # Gradient cross-check: recomputations asked for in the current step, events to record at its commit.
         self._redone_in_step: tuple[int, int] | None = None
         self._pending: list[dict[str, Any]] = []
+        #: No majority: raised in on_train_batch_end, once the step's ledger line is written.
+        self._stop: SilentDataCorruptionError | None = None
 
     @override
     def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
@@ -106,12 +108,12 @@ class CorruptionCheck(RecoveryCallback):
             step.redo = ()  # a replica died in the gather: the engine re-plans, then this check runs again
             return
         prints = {(int(r), int(s)): (tuple(ids), tuple(fp)) for r, s, ids, fp in rows}
-        suspects = sorted({
-            r for spare, shadowed in shadowing.items() for s in range(strategy.config.shards)
+        differing = [
+            (spare, shadowed, s) for spare, shadowed in shadowing.items() for s in range(strategy.config.shards)
             if (spare, s) in prints and (shadowed, s) in prints
             and prints[spare, s][0] == prints[shadowed, s][0] and prints[spare, s][1] != prints[shadowed, s][1]
-            for r in (spare, shadowed)
-        })
+        ]
+        suspects = sorted({r for spare, shadowed, _ in differing for r in (spare, shadowed)})
         self.checks += 1
         if not suspects:
             return
@@ -123,7 +125,7 @@ class CorruptionCheck(RecoveryCallback):
             )
         self._redone_in_step = (step.step, step.world_epoch)
         self._pending.append({
-            "step": step.step, "replicas": suspects, "shards": sorted({s for (_, s) in prints}), "what": "gradients (spare cross-check)",
+            "step": step.step, "replicas": suspects, "shards": sorted({s for _, _, s in differing}), "what": "gradients (spare cross-check)",
             "lag_steps": 0, "action": "recompute",
         })
         if comm.is_leader:
@@ -184,8 +186,6 @@ class CorruptionCheck(RecoveryCallback):
         if not self._compare(comm, engine, tensors)[0].clean:
             raise SilentDataCorruptionError(f"the repair after step {step} did not make the replicas agree; relaunch from the newest checkpoint")
         self.last_clean_step = step
-
-    _stop: SilentDataCorruptionError | None = None
 
     @override
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
