@@ -312,19 +312,8 @@ class RecoverConfig:
             raise ConfigurationError(f"recover={settings!r} is not a mapping of settings; known: {', '.join(_names(cls))}")
         _check_keys("recover", settings, _names(cls))
         values = dict(settings)
-        ckpt = values.pop("checkpoint", None)
-        if ckpt is None:
-            ckpt = CheckpointConfig()
-        elif isinstance(ckpt, Mapping):
-            _check_keys("recover.checkpoint", ckpt, _names(CheckpointConfig))
-            ckpt = CheckpointConfig(**ckpt)
-        sdc = values.pop("sdc", None)
-        if sdc is None:
-            sdc = SDCConfig()
-        elif isinstance(sdc, Mapping):
-            _check_keys("recover.sdc", sdc, _names(SDCConfig))
-            sdc = SDCConfig(**sdc)
-        return cls(**values, checkpoint=ckpt, sdc=sdc)
+        groups = {key: _group(key, values.pop(key, None), group) for key, group in (("checkpoint", CheckpointConfig), ("sdc", SDCConfig))}
+        return cls(**values, **groups)
 
     @classmethod
     def from_arguments(
@@ -425,6 +414,16 @@ class RecoverConfig:
         hang = hang or None
         stuck = hang if self.stuck_timeout_s is None else (self.stuck_timeout_s or None)
         return hang, stuck
+
+
+def _group(key: str, value: Any, group: type) -> Any:
+    """A nested settings group (``recover.<key>``) from a mapping, None (its defaults) or an instance."""
+    if value is None:
+        return group()
+    if isinstance(value, Mapping):
+        _check_keys(f"recover.{key}", value, _names(group))
+        return group(**value)
+    return value
 
 
 def _names(cls: type) -> list[str]:

@@ -90,3 +90,35 @@ def run_mpi(nprocs: int, args: list[str], outdir: Path, **options: Any) -> MPIJo
         print(f"mpirun: Open MPI's runtime did not start (rc={job.returncode}); launching once more", file=sys.stderr)
         job = _run_once(nprocs, args, outdir, **options)
     return job
+
+
+def train_worker(nprocs: int, outdir: Path, argv: list[str], faults: list[dict], timeout: float = 240) -> MPIJob:
+    """``tests/workers/train_worker.py ARGV --faults FAULTS`` on ``nprocs`` ranks."""
+    return run_mpi(nprocs, ["tests/workers/train_worker.py", *argv, "--faults", json.dumps(faults)], outdir, timeout=timeout)
+
+
+def ledger_lines(job: MPIJob) -> list[dict]:
+    return [json.loads(line) for line in (job.outdir / "ledger.jsonl").read_text().splitlines()]
+
+
+def assert_reference_run(job: MPIJob, argv: list[str], replicas: int) -> dict[int, dict]:
+    """The ledger passes check-ledger against the one-process reference of train_worker ``argv`` (rtol 1e-4),
+    and every rank that finished holds bitwise-identical parameters equal to the reference's; returns the results."""
+    import torch
+    from reference import reference_run
+
+    from lightning_recover.ledger import check_ledger
+
+    ref_losses, ref_params = reference_run(argv, replicas)
+    ref = job.outdir / "reference.jsonl"
+    ref.write_text("".join(json.dumps({"step": i, "loss": v}) + "\n" for i, v in enumerate(ref_losses)))
+    verdict = check_ledger(job.outdir / "ledger.jsonl", reference=str(ref), rtol=1e-4)
+    assert verdict.ok, verdict.problems
+    results = job.results()
+    params = {r: torch.load(job.outdir / f"params{r}.pt") for r in results if (job.outdir / f"params{r}.pt").exists()}
+    first = next(iter(params.values()))
+    for r, p in params.items():
+        assert all(torch.equal(first[k], p[k]) for k in first), f"rank {r} differs from rank {next(iter(params))}"
+    for k, v in ref_params.items():
+        torch.testing.assert_close(first[k], v, rtol=1e-4, atol=1e-4)
+    return results

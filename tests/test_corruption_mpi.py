@@ -3,14 +3,10 @@ replicas' fingerprint comparison, repaired in place or evicted; with two replica
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
-from mpirun import MPIJob, run_mpi
-
-from lightning_recover.ledger import check_ledger
+from mpirun import MPIJob, assert_reference_run, ledger_lines, train_worker
 
 pytestmark = pytest.mark.mpi
 
@@ -20,30 +16,7 @@ def corrupt(step: int, rank: int, target: str) -> dict:
 
 
 def launch(tmp_path: Path, nprocs: int, argv: list[str], faults: list[dict]) -> MPIJob:
-    return run_mpi(nprocs, ["tests/workers/train_worker.py", *argv, "--faults", json.dumps(faults)], tmp_path, timeout=180)
-
-
-def ledger(job: MPIJob) -> list[dict]:
-    return [json.loads(line) for line in (job.outdir / "ledger.jsonl").read_text().splitlines()]
-
-
-def assert_fault_free_trajectory(job: MPIJob, argv: list[str], replicas: int) -> dict[int, dict]:
-    """The ledger equals the one-process reference and every finished rank holds the reference's weights, bitwise alike."""
-    from reference import reference_run
-
-    ref_losses, ref_params = reference_run(argv, replicas)
-    ref = job.outdir / "reference.jsonl"
-    ref.write_text("".join(json.dumps({"step": i, "loss": v}) + "\n" for i, v in enumerate(ref_losses)))
-    verdict = check_ledger(job.outdir / "ledger.jsonl", reference=str(ref), rtol=1e-4)
-    assert verdict.ok, verdict.problems
-    results = job.results()
-    params = {r: torch.load(job.outdir / f"params{r}.pt") for r in results}
-    first = next(iter(params.values()))
-    for r, p in params.items():
-        assert all(torch.equal(first[k], p[k]) for k in first), f"rank {r} differs"
-    for k, v in ref_params.items():
-        torch.testing.assert_close(first[k], v, rtol=1e-4, atol=1e-4)
-    return results
+    return train_worker(nprocs, tmp_path, argv, faults, timeout=180)
 
 
 def test_gradients_caught_before_the_reduction_and_parameters_repaired_in_place(tmp_path: Path) -> None:
@@ -59,9 +32,9 @@ def test_gradients_caught_before_the_reduction_and_parameters_repaired_in_place(
     ]
     job = launch(tmp_path, 4, argv, faults)
     assert job.returncode == 0, job.describe()
-    results = assert_fault_free_trajectory(job, argv, 4)
+    results = assert_reference_run(job, argv, 4)
     assert sorted(results) == [0, 1, 2, 3] and all(r["alive"] == [0, 1, 2, 3] for r in results.values())
-    events = [(rec["step"], e) for rec in ledger(job) for e in rec.get("sdc", [])]
+    events = [(rec["step"], e) for rec in ledger_lines(job) for e in rec.get("sdc", [])]
     assert len(events) == 2, events
     (s1, grads), (s3, params) = events
     assert s1 == 1 and grads["what"] == "gradients (spare cross-check)" and grads["action"] == "recompute" and grads["shards"] == [0]
@@ -79,9 +52,9 @@ def test_corrupted_optimizer_state_is_found_by_majority_and_the_replica_evicted(
     argv = ["--steps", "8", "--sdc-every", "2", "--sdc-action", "evict"]
     job = launch(tmp_path, 3, argv, [corrupt(2, 1, "optimizer")])
     assert job.returncode == 0, job.describe()
-    results = assert_fault_free_trajectory(job, argv, 3)
+    results = assert_reference_run(job, argv, 3)
     assert sorted(results) == [0, 2]
-    records = ledger(job)
+    records = ledger_lines(job)
     assert [e["replicas"] for rec in records for e in rec.get("sdc", [])] == [[1]]
     assert records[3]["sdc"][0]["action"] == "evict" and records[3]["sdc"][0]["lag_steps"] == 2
     assert 1 in records[4]["faults"]  # evicted: the next step recovers as from any failure
@@ -94,5 +67,5 @@ def test_two_replicas_that_differ_stop_with_a_clear_error(tmp_path: Path) -> Non
     assert job.returncode != 0, job.describe()
     assert "SilentDataCorruptionError" in job.stderr
     assert "without a majority no replica can be trusted over another; relaunch from the newest checkpoint" in job.stderr
-    records = ledger(job)
+    records = ledger_lines(job)
     assert len(records) == 3 and records[2]["sdc"][0]["action"] == "stop"

@@ -10,14 +10,10 @@ included.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-import torch
-from mpirun import MPIJob, run_mpi
-
-from lightning_recover.ledger import check_ledger
+from mpirun import MPIJob, assert_reference_run, ledger_lines, train_worker
 
 pytestmark = pytest.mark.mpi
 
@@ -29,33 +25,16 @@ def kill(step: int, rank: int, phase: str = "backward") -> dict:
 
 
 def launch(tmp_path: Path, nprocs: int, argv: list[str], faults: list[dict], timeout: float = 240) -> MPIJob:
-    job = run_mpi(nprocs, ["tests/workers/train_worker.py", *argv, "--faults", json.dumps(faults)], tmp_path, timeout=timeout)
+    job = train_worker(nprocs, tmp_path, argv, faults, timeout=timeout)
     assert job.returncode == 0, job.describe()
     return job
 
 
-def ledger(job: MPIJob) -> list[dict]:
-    return [json.loads(line) for line in (job.outdir / "ledger.jsonl").read_text().splitlines()]
-
-
 def check_exact(job: MPIJob, argv: list[str], replicas: int) -> dict[int, dict]:
-    """Ledger exact vs the single-process reference; every finished rank bitwise equal and equal to the reference."""
-    from reference import reference_run
-
-    ref_losses, ref_params = reference_run(argv, replicas)
-    ref_ledger = job.outdir / "reference.jsonl"
-    ref_ledger.write_text("".join(json.dumps({"step": i, "loss": v}) + "\n" for i, v in enumerate(ref_losses)))
-    verdict = check_ledger(job.outdir / "ledger.jsonl", reference=str(ref_ledger), rtol=1e-4)
-    assert verdict.ok, verdict.problems
-    results = job.results()
+    """The reference run's ledger and weights, and zero false positives of the corruption check."""
+    results = assert_reference_run(job, argv, replicas)
     # Every finished rank ran the corruption check after every step: zero false positives.
     assert all(r["sdc_checks"] > 0 and r["sdc_detections"] == 0 for r in results.values()), results
-    params = {r: torch.load(job.outdir / f"params{r}.pt") for r in results if (job.outdir / f"params{r}.pt").exists()}
-    first = next(iter(params.values()))
-    for r, p in params.items():
-        assert all(torch.equal(first[k], p[k]) for k in first), f"rank {r} differs from rank {next(iter(params))}"
-    for k, v in ref_params.items():
-        torch.testing.assert_close(first[k], v, rtol=1e-4, atol=1e-4)
     return results
 
 
@@ -83,7 +62,7 @@ def test_two_replicas_lost_at_different_steps_come_back_through_faults_around_th
     # The replacements of ranks 0 and 1 finished the run: 4 live replicas at the end, G_cur back to G_init.
     assert sorted(results) == [0, 1, 2, 3], job.describe()
     assert all(r["alive"] == [0, 1, 2, 3] and r["global_step"] == 90 for r in results.values())
-    records = ledger(job)
+    records = ledger_lines(job)
     assert records[-1]["replicas"] == [0, 1, 2, 3] and records[-1]["G_cur"] == 2
     assert sum(len(r["faults"]) for r in records) == 3  # rank 1, rank 0 (the donor), replica 0's first replacement
     joins = joins_by_replica(records)
@@ -109,7 +88,7 @@ def test_sharded_replica_replaced_after_its_first_replacement_died_in_the_transf
     results = check_exact(job, argv, 2)
     assert sorted(results) == [0, 1, 2, 3], job.describe()
     assert all(r["alive"] == [0, 1] for r in results.values())
-    joins = joins_by_replica(ledger(job))
+    joins = joins_by_replica(ledger_lines(job))
     assert [j["ok"] for j in joins[1]] == [True], joins
     assert "replica-consistency gate" in job.stderr
 
