@@ -53,7 +53,6 @@ import numpy as np
 import torch
 
 from lightning_recover.communicator import FaultTolerantComm
-from lightning_recover.recovery.interface import PeerFailure
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -483,7 +482,11 @@ def donor_and_recipients(comm: FaultTolerantComm, joiners: Sequence[int]) -> tup
     members = comm.members
     veterans = [r for r in comm.alive_replicas if r not in joiners]
     if not veterans:
-        raise PeerFailure((), "state transfer: no veteran replica is left to send the state", 0)
+        # Not a PeerFailure: a repair cannot bring a donor back, and retrying would loop forever.
+        raise RuntimeError(
+            f"every replica that held the live state died before the transfer (live: {list(comm.alive_replicas)}, "
+            f"all replacements); relaunch from the newest checkpoint (ckpt_path=last)"
+        )
     donor = veterans[0]
     layout = comm.layout
     to: dict[int, list[int]] = {}
