@@ -222,6 +222,15 @@ class RecoverConfig:
         rejoin_backoff_s: wait after a failed attempt before the next (doubling each time).
         rejoin_timeout_s: a replacement not ready to join this long after its spawn was
             started is given up (it exits by itself; the attempt counts as failed).
+        overlap: start each step's cross-replica reduction during its last backward,
+            bucket by bucket as backward produces the gradients (:mod:`~.recovery.overlap`);
+            recovery rounds stay synchronous. False = reduce after the last backward.
+        sync_every_microbatch: with shards > 1, reduce-scatter the gradients inside a
+            replica after every microbatch. False (default) does it once per step, on the
+            last planned microbatch, like stock HSDP with ``set_requires_gradient_sync``:
+            G - 1 fewer in-replica collectives per step, but between microbatches every
+            rank holds the *unsharded* gradient of the whole model (S times its gradient
+            shard). Set True when that memory is not there.
     """
 
     shards: int = 1
@@ -242,6 +251,8 @@ class RecoverConfig:
     rejoin_attempts: int = 3
     rejoin_backoff_s: float = 5.0
     rejoin_timeout_s: float = 120.0
+    overlap: bool = True
+    sync_every_microbatch: bool = False
 
     def __post_init__(self) -> None:
         shards_fix = "set recover.shards to the ranks per replica (a divisor of the world size)"
@@ -279,6 +290,9 @@ class RecoverConfig:
             _set(self, "stuck_timeout_s", _number(
                 "stuck_timeout_s", self.stuck_timeout_s, stuck_fix, positive=False, finite=False, requirement=seconds
             ))
+        for key, what in (("overlap", "overlap the reduction with backward"), ("sync_every_microbatch", "reduce-scatter after every microbatch")):
+            if not isinstance(getattr(self, key), bool):
+                raise _refuse(key, getattr(self, key), "true or false", f"set recover.{key}=true to {what}, false not to")
         if not isinstance(self.rejoin, bool):
             raise _refuse("rejoin", self.rejoin, "true or false", "set recover.rejoin=true to spawn replacements, false not to")
         if self.rejoin_hosts is not None and (not isinstance(self.rejoin_hosts, str) or not self.rejoin_hosts.strip()):

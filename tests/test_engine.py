@@ -16,6 +16,8 @@ run the same protocol over ULFM in real processes.
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -69,6 +71,9 @@ class Scenario:
     #: A world collective inside the step, in the first microbatch (like ``self.log(..., sync_dist=True)``).
     sync_in_step: bool = False
     min_replicas: int = 1
+    #: Overlap the first reduction round with the last planned microbatch (its "backward"
+    #: makes the gradient tensors final one by one, last tensor first).
+    overlap: bool = False
 
     @property
     def B(self) -> int:
@@ -94,6 +99,8 @@ class RankLog:
     #: | ("repair", step | None, commits so far, RepairResult, in the in-step sync)
     events: list[tuple[Any, ...]] = field(default_factory=list)
     in_sync: bool = False
+    #: What a test's runner noted (kept out of ``events``, whose kinds the invariants read).
+    notes: list[tuple[Any, ...]] = field(default_factory=list)
 
     def repairs(self) -> list[RepairResult]:
         return [e[3] for e in self.events if e[0] == "repair"]
@@ -132,6 +139,8 @@ class Runner:
         self.engine: StepEngine | None = None
         self.step = -1
         self.ran: list[int] = []
+        #: The last planned microbatch, whose backward overlaps the reduction (None: none left).
+        self.final: int | None = None
 
     def start(self, engine: StepEngine, step: int) -> None:
         self.engine, self.step, self.ran = engine, step, []
@@ -143,9 +152,19 @@ class Runner:
         self.ran.append(offset)
         if (self.comm.rank, self.step, len(self.ran)) in self.sc.crashes:
             self.comm.die(f"fault injection in microbatch {offset} of step {self.step}")
-        for g, d in zip(self.grads, grad_of(self.step, offset, self.comm.shard)):
-            g.add_(d)
         self.engine.record(offset, loss_of(self.step, offset))
+        self._forward_sync()
+        # "Backward": the last parameters' gradients are made first.
+        inflight = self.engine.start_overlap(self) if offset == self.final else None
+        grads = grad_of(self.step, offset, self.comm.shard)
+        for i in reversed(range(len(self.grads))):
+            self.grads[i].add_(grads[i])
+            if inflight is not None:
+                inflight.mark_ready(self.engine.plane_index(i))
+        if inflight is not None:
+            inflight.all_ready()
+
+    def _forward_sync(self) -> None:
         if self.sc.sync_in_step and len(self.ran) == 1:
             # Once per step on every rank (each replica runs at least one planned microbatch):
             # a world collective per microbatch would not be SPMD, replicas run different counts.
@@ -159,17 +178,22 @@ class Runner:
         return self.grads
 
 
-def train(comm: FakeComm, sc: Scenario, logs: dict[int, RankLog]) -> RankLog:
+def train(comm: FakeComm, sc: Scenario, logs: dict[int, RankLog], runner_cls: type[Runner] = Runner) -> RankLog:
     """One simulated rank's training loop, as the strategy drives the engine."""
     log = logs[comm.rank] = RankLog()
     policy = make_policy(sc.policy, sc.replicas, sc.G, T=sc.T, min_replicas=sc.min_replicas)
     callbacks: list[object] = [ReductionBuffers(), EpochCheck(), BoundaryScheduler(), Observer(log)]
-    engine = StepEngine(comm, policy, shards=sc.shards, dispatch=dispatcher(lambda: callbacks), probes=RecordingProbes(log))
-    runner = Runner(comm, sc, log)
+    engine = StepEngine(
+        comm, policy, shards=sc.shards, dispatch=dispatcher(lambda: callbacks), probes=RecordingProbes(log), overlap=sc.overlap
+    )
+    runner = runner_cls(comm, sc, log)
     for step in range(sc.steps):
         state = engine.begin(step)
         runner.start(engine, step)
-        engine.run(runner, state.mine.ids)
+        planned = state.mine.ids
+        runner.final = planned[-1]
+        engine.run(runner, planned)
+        runner.final = None
         engine.reduce_until_committed(runner)
         grads = [g.clone() for g in runner.grads]
         alive = comm.alive_replicas
@@ -207,10 +231,10 @@ class Outcome:
         return [(r.world_epoch, r.lost_replicas, r.rounds) for r in self.logs[self.survivors[0]].repairs()]
 
 
-def simulate(sc: Scenario, *, raise_errors: bool = True) -> Outcome:
+def simulate(sc: Scenario, *, raise_errors: bool = True, runner_cls: type[Runner] = Runner) -> Outcome:
     world = FakeWorld(sc.replicas, sc.shards, BUCKET_NUMEL, kills=sc.kills, timeout=TIMEOUT_S)
     logs: dict[int, RankLog] = {}
-    results = world.run(partial(train, sc=sc, logs=logs), raise_errors=raise_errors)
+    results = world.run(partial(train, sc=sc, logs=logs, runner_cls=runner_cls), raise_errors=raise_errors)
     return Outcome(sc, world, results, logs)  # type: ignore[arg-type]
 
 
@@ -326,10 +350,11 @@ def test_fault_free_steps_sum_every_microbatch_once(T: int) -> None:
     assert all(out.record(s)["stale_buckets"] == 0 for s in range(3))
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("victim", [0, 1, 2])
 @pytest.mark.parametrize("bucket", range(NB))
-def test_failure_before_every_bucket(victim: int, bucket: int) -> None:
-    out = run_checked(Scenario(replicas=3, kills=(Kill(victim, "bucket", bucket=bucket),)))
+def test_failure_before_every_bucket(victim: int, bucket: int, overlap: bool) -> None:
+    out = run_checked(Scenario(replicas=3, kills=(Kill(victim, "bucket", bucket=bucket),), overlap=overlap))
     assert out.dead == {victim: out.dead[victim]} and out.dead[victim].how == "killed"
     assert out.repairs() == [(1, (victim,), 1)]
     rec = out.record(0)
@@ -338,6 +363,51 @@ def test_failure_before_every_bucket(victim: int, bucket: int) -> None:
     assert rec["extra_microbatches"] == 2  # the lost replica's G=2 ids, replayed
     # The buckets completed before the failure were reduced with the dead replica: all redone.
     assert all(r["stale_buckets"] == bucket for r in out.records(0))
+
+
+class SlowBackward(Runner):
+    """In the overlapped microbatch, makes the first parameter's gradient only once bucket 0 was reduced."""
+
+    def run_microbatch(self, offset: int) -> None:
+        if offset != self.final:
+            return super().run_microbatch(offset)
+        assert self.engine is not None
+        self.ran.append(offset)
+        inflight = self.engine.start_overlap(self)
+        assert inflight is not None
+        grads = grad_of(self.step, offset, self.comm.shard)
+        self.grads[1].add_(grads[1])
+        inflight.mark_ready(self.engine.plane_index(1))
+        # Bucket 0 holds only tensor 1's first elements (plane order is reversed): it must be
+        # reduced across the replicas while tensor 0 is still "being computed".
+        deadline = time.monotonic() + TIMEOUT_S
+        while not any(e[0] == "bucket" and e[1] == self.step and e[2] == 0 for e in list(self.log.events)):
+            assert time.monotonic() < deadline, "bucket 0 was not reduced while backward was still running"
+            time.sleep(0.001)
+        self.log.notes.append(("overlapped", self.step))
+        self.grads[0].add_(grads[0])
+        inflight.mark_ready(self.engine.plane_index(0))
+        inflight.all_ready()
+        self.engine.record(offset, loss_of(self.step, offset))
+
+
+@pytest.mark.parametrize("T", [3, 2])
+def test_overlap_reduces_buckets_while_backward_still_runs(T: int) -> None:
+    out = run_checked(Scenario(replicas=3, T=T, steps=2, overlap=True))
+    assert not out.dead
+    out = simulate(Scenario(replicas=3, T=T, steps=2, overlap=True), runner_cls=SlowBackward)
+    check_protocol(out)
+    for log in out.logs.values():
+        assert log.notes == [("overlapped", 0), ("overlapped", 1)]
+
+
+def test_overlap_failure_mid_backward_is_recovered_synchronously() -> None:
+    # Replica 1 dies in bucket 1 of the overlapped round (its third bucket to start is never
+    # reached): the survivors' helper threads see the failure, the main threads repair after
+    # their backward and redo every bucket, synchronously.
+    out = run_checked(Scenario(replicas=3, steps=2, overlap=True, kills=(Kill(1, "bucket", bucket=1, mid=True),)))
+    assert out.repairs() == [(1, (1,), 1)]
+    assert out.record(0)["extra_microbatches"] == 2 and out.record(1)["world_epoch"] == 1
 
 
 def test_a_death_in_the_middle_of_a_bucket_leaves_part_of_the_world_with_its_sum() -> None:
@@ -548,6 +618,7 @@ def scenarios(draw: Callable[..., Any]) -> Scenario:
     return Scenario(
         replicas=W, G=G, T=None if policy == "adaptive" else T, shards=shards, policy=policy, steps=steps,
         kills=tuple(kills), crashes=tuple(crashes), between=draw(st.booleans()), sync_in_step=draw(st.booleans()),
+        overlap=draw(st.booleans()),
     )  # fmt: skip
 
 

@@ -18,7 +18,8 @@ the odd ones out by majority. Then, on every rank alike:
 **Gradient cross-check.** A spare computes the same microbatches as the contributor it
 shadows, so before every reduction their accumulated gradients must agree bit for bit
 (the redundant compute the protocol already pays for a free promotion). The check runs
-in every checked step (every N-th) in which a spare shadows someone, in ``on_before_reduce``: one fingerprint of the local
+in every checked step (every N-th) in which a spare shadows someone, in ``on_before_reduce`` (such a
+step does not overlap its reduction with backward): one fingerprint of the local
 gradients per rank, one gather. A pair that differs cannot say which of the two computed
 wrongly, so both recompute their microbatches from a fresh accumulator
 (:attr:`StepState.redo`) and compare again; a transient corruption is gone and the step
@@ -91,11 +92,20 @@ class CorruptionCheck(RecoveryCallback):
         #: No majority: raised in on_train_batch_end, once the step's ledger line is written.
         self._stop: SilentDataCorruptionError | None = None
 
+    def _shadowing(self, step: StepState) -> dict[int, int]:
+        """Spare -> the contributor it shadows, in the steps whose gradients are cross-checked."""
+        if (step.step + 1) % self.every_n_steps:
+            return {}  # the cross-check runs in the steps whose commit is checked
+        return {r: p.shadows for r, p in step.plan.plans.items() if not p.contributes and p.shadows is not None}
+
+    @override
+    def on_before_overlap(self, trainer: Any, pl_module: Any, step: StepState) -> None:
+        if self._shadowing(step):
+            step.overlap = False  # the cross-check compares whole accumulated gradients, before any is sent
+
     @override
     def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
-        if (step.step + 1) % self.every_n_steps:
-            return  # the cross-check runs in the steps whose commit is checked
-        shadowing = {r: p.shadows for r, p in step.plan.plans.items() if not p.contributes and p.shadows is not None}
+        shadowing = self._shadowing(step)
         if not shadowing:
             return
         strategy = trainer.strategy

@@ -12,10 +12,15 @@ The engine runs against three small contracts, so it needs neither Lightning nor
 One step, as every rank of every live replica runs it::
 
     begin(step)                      the policy plans the step for the live replicas
-    run(runner, ...)                 compute this replica's planned microbatches
+    run(runner, ...)                 compute this replica's planned microbatches; before the
+                                     last one's backward, start_overlap(runner) (optional):
+        on_before_overlap                callbacks may keep this step's reduction synchronous
+        on_before_reduce                 callbacks pick what is sent and where sums land
+        reduce in buckets                in a helper thread, each bucket once backward made it
     reduce_until_committed(runner)   loop:
         on_before_reduce                 callbacks pick what is sent and where sums land
-        reduce in buckets                each bucket tagged with the world epoch
+        reduce in buckets                each bucket tagged with the world epoch (or: wait for
+                                         the overlapped first round)
         agree                            all survivors get the same verdict
         on failure: repair               shrink to whole replicas, world epoch + 1
                     on_world_repaired    (each lost replica reported once)
@@ -34,6 +39,12 @@ record lists them (``joined``, and ``joins`` with the transfer and pause seconds
 communicator measured; :meth:`StepEngine.note_join` fills them in later if the transfer
 follows the admission). A step in progress never admits anyone: joins wait for the
 boundary.
+
+Overlap (:mod:`~.overlap`): with ``overlap=True`` the first reduction round starts before
+the last planned backward and its buckets are reduced as backward produces them; a
+failure in it is handled by the same loop (agree, repair, redo the stale buckets, now
+synchronously). Buckets are planned over the gradients in reverse parameter order either
+way, the order backward makes them.
 
 Errors: a peer death is never an exception out of the engine (it becomes a repair); the
 policy's ``TooFewReplicasError`` (below ``min_replicas``) and a callback's refusal in
@@ -55,6 +66,7 @@ from lightning_recover.policy import WorkloadPolicy
 from lightning_recover.recovery.hooks import Dispatch
 from lightning_recover.recovery import step_values
 from lightning_recover.recovery.interface import PeerFailure, RepairResult, ReplicaComm
+from lightning_recover.recovery.overlap import OverlappedReduction
 from lightning_recover.recovery.state import Join, Schedule, StepState
 
 log = logging.getLogger(__name__)
@@ -101,8 +113,11 @@ class StepEngine:
         dispatch: Dispatch = lambda name, *args: None,
         probes: Probes | None = None,
         on_repair: Callable[[RepairResult], None] | None = None,
+        overlap: bool = False,
     ) -> None:
         self.comm = comm
+        #: Start each step's first reduction round during its last backward (:meth:`start_overlap`).
+        self.overlap = overlap
         self.policy = policy
         self.shards = shards
         self.dispatch = dispatch
@@ -144,6 +159,44 @@ class StepEngine:
         for offset in offsets:
             runner.run_microbatch(offset)
 
+    def start_overlap(self, runner: MicrobatchRunner) -> OverlappedReduction | None:
+        """Before the step's last planned backward: start reducing buckets as backward makes them.
+
+        Returns the reduction in flight (tell it :meth:`OverlappedReduction.mark_ready` per
+        finished gradient, in :meth:`plane_index` terms) or None when this step reduces
+        after backward: overlap off, a re-plan pending, or an ``on_before_overlap`` callback
+        set ``step.overlap = False``. Call it at most once per step.
+        """
+        st = self._current()
+        if not self.overlap or st.replan_pending or st.handle is not None:
+            return None
+        self.dispatch("on_before_overlap", st)
+        if not st.overlap:
+            return None
+        self._prepare_reduction(runner)
+        self.dispatch("on_before_reduce", st)
+        if st.redo is not None:
+            raise RuntimeError(
+                "a callback asked to redo microbatches (step.redo) before the last backward ran; a callback that "
+                "checks the whole local gradient must set step.overlap = False in on_before_overlap"
+            )
+        st.inflight = OverlappedReduction(
+            self.comm, st.send[::-1], st.out[::-1], st.handle, before_bucket=self._overlapped_bucket, after_bucket=self._after_bucket
+        )
+        return st.inflight
+
+    def plane_index(self, index: int) -> int:
+        """Where gradient ``index`` (of ``runner.local_grads()``) sits in the reduction's plane order."""
+        return len(self._current().local) - 1 - index
+
+    def _prepare_reduction(self, runner: MicrobatchRunner) -> None:
+        st = self._current()
+        if st.handle is None:
+            st.local = runner.local_grads()
+            # Reverse parameter order: the order backward produces the gradients, so with
+            # overlap the first bucket is the first one ready.
+            st.handle = self.comm.plan(st.local[::-1])
+
     def reduce_until_committed(self, runner: MicrobatchRunner) -> int:
         """Reduce, agree, and on failure repair and recompute until one membership commits.
 
@@ -151,14 +204,15 @@ class StepEngine:
         return value is the policy's divisor (B for the static policy).
         """
         st = self._current()
-        st.local = runner.local_grads()
-        st.handle = self.comm.plan(st.local)
+        self._prepare_reduction(runner)
         failed_at: float | None = None
         while True:
             if st.replan_pending:
                 st.replan_pending = False
+                self._abandon_inflight()
                 self._boundary(runner)
-            self.dispatch("on_before_reduce", st)
+            if st.inflight is None:
+                self.dispatch("on_before_reduce", st)
             if st.redo is not None:
                 # A callback found this step's gradients suspect (a corruption cross-check):
                 # recompute the ids it named from a fresh accumulator, then check again.
@@ -175,9 +229,13 @@ class StepEngine:
             logged_out = torch.empty_like(logged_in)
             round_started = time.perf_counter()
             try:
+                if st.inflight is not None:
+                    inflight, st.inflight = st.inflight, None
+                    with self.probes.waiting():
+                        inflight.join(set_computing=self.probes.set_computing)
                 with self.probes.waiting():
                     self.comm.allreduce(
-                        st.send, st.out, handle=st.handle, on_bucket=self._before_bucket, after_bucket=self._after_bucket
+                        st.send[::-1], st.out[::-1], handle=st.handle, on_bucket=self._before_bucket, after_bucket=self._after_bucket
                     )
                     self.comm.allreduce([head_in], [head_out], across="world")
                     step_values.check_header(head_out, keys)
@@ -328,6 +386,10 @@ class StepEngine:
         The policy learns of the loss at the next ``begin`` (the new membership is in
         ``comm.alive_replicas``); that step's record carries the pause.
         """
+        if self.state is not None:
+            # One thread issues collectives at a time: a collective after the overlap started
+            # (user code in a backward hook) first waits for the overlapped round.
+            self._abandon_inflight()
         # Inside a step (a metric sync in training_step) the step's own record takes the
         # pause; between steps the next step's record does.
         pauses, detects = (self.state.pauses, self.state.detects) if self.state is not None else (
@@ -357,8 +419,25 @@ class StepEngine:
             pauses.append(time.perf_counter() - failed_at)
         return result  # type: ignore[return-value]
 
+    def _abandon_inflight(self) -> None:
+        """Wait out an overlapped round and mark it to be redone (its plan changed, or another collective must run)."""
+        st = self._current()
+        if st.inflight is None:
+            return
+        inflight, st.inflight = st.inflight, None
+        try:
+            with self.probes.waiting():
+                inflight.join(set_computing=self.probes.set_computing)
+        except PeerFailure:
+            pass
+        # Redo the whole round: the next on_before_reduce may reset the outputs (a spare's).
+        for bucket in inflight.handle.buckets:
+            bucket.world_epoch = None
+
     def abandon(self) -> None:
         """Forget a step left by an exception (below ``min_replicas``, a user error)."""
+        if self.state is not None and self.state.inflight is not None:
+            self.state.inflight.all_ready()  # never leave the helper waiting for a backward that is gone
         self.state = None
         self.probes.set_computing(False)
 
@@ -369,6 +448,11 @@ class StepEngine:
         self.probes.fault_point("reduce", step=self._current().step, bucket=index)
         self.probes.tick()
         self.probes.set_computing(False)
+
+    def _overlapped_bucket(self, index: int) -> None:
+        # In the overlap's helper thread: the main thread owns the computing flag meanwhile.
+        self.probes.fault_point("reduce", step=self._current().step, bucket=index)
+        self.probes.tick()
 
     def _after_bucket(self, index: int) -> None:
         self.dispatch("on_bucket_reduced", self._current(), index, self.comm.world_epoch)

@@ -9,8 +9,14 @@ to alert on a lost replica. Every hook runs on every rank of every live replica.
 ========================  =================================================================
 hook                      when, and what it may do
 ========================  =================================================================
+on_before_overlap         before the last planned backward of a step, when the engine
+                          overlaps the first reduction round with it; set
+                          ``step.overlap = False`` to reduce only after backward (a check
+                          that needs this replica's whole local gradient first)
 on_before_reduce          before each reduction round of a step (one per membership); sets
-                          ``step.send`` / ``step.out`` (what is sent, where sums land)
+                          ``step.send`` / ``step.out`` (what is sent, where sums land). For
+                          an overlapped first round it runs before the last backward: the
+                          gradients are not final yet, only their tensors are
 on_bucket_reduced         after bucket ``index`` completed in world epoch ``world_epoch``
 on_world_repaired         after a repair removed replicas (``repair.lost_replicas``) and moved
                           the world to ``repair.world_epoch``; ``step`` is None outside a step.
@@ -38,6 +44,7 @@ if TYPE_CHECKING:
     from lightning_recover.recovery.state import Join, StepState
 
 RECOVERY_HOOKS = (
+    "on_before_overlap",
     "on_before_reduce",
     "on_bucket_reduced",
     "on_world_repaired",
@@ -53,6 +60,9 @@ Dispatch = Callable[..., None]
 
 class RecoveryHooks:
     """No-op implementations of every recovery hook; subclass (with a Lightning Callback) and override."""
+
+    def on_before_overlap(self, trainer: Any, pl_module: Any, step: StepState) -> None:
+        """Before the last backward of ``step``, when its first reduction round would overlap it."""
 
     def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
         """Before each reduction round of ``step``."""

@@ -81,6 +81,11 @@ class StepState:
     #: Set by an ``on_before_reduce`` callback: recompute these ids from a fresh accumulator
     #: before reducing (every rank sets it, () where nothing is redone; the hook runs again).
     redo: tuple[int, ...] | None = None
+    #: Reduce this step's first round during the last backward (when the engine overlaps);
+    #: an ``on_before_overlap`` callback sets it False to see the whole local gradient first.
+    overlap: bool = True
+    #: The overlapped first round while it runs (:class:`~.overlap.OverlappedReduction`).
+    inflight: Any = None
 
     @property
     def mine(self) -> ReplicaPlan:

@@ -83,7 +83,9 @@ from lightning_recover.strategies.step_logs import StepLogs
 from lightning_recover.strategies.sharding import (
     is_sharded,
     local,
+    on_gradient_ready,
     replica_mesh,
+    set_gradient_sync,
     shard_model,
 )
 from lightning_recover.topology import RankLayout
@@ -185,6 +187,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         #: This process is a replacement that has not run its first step yet: the survivors are
         #: past the setup-time collectives it would otherwise ask them for (see _join_world).
         self._joining: rejoin.Joining | None = None
+        # The step's planned microbatches are running (see backward), the last of them, and
+        # whether FSDP2 reduce-scatters inside the replica on the next backward.
+        self._planned_phase = False
+        self._final_offset = -1
+        self._syncing = True
 
     # ------------------------------------------------------------------ ranks
     @property
@@ -323,7 +330,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.probes = StrategyProbes(self.comm.rank, self.watchdog, lambda: trainer.callbacks)
         dispatch = dispatcher(lambda: trainer.callbacks, lambda: (trainer, self.lightning_module))
         self.engine = StepEngine(
-            self.comm, self.policy, shards=c.shards, dispatch=dispatch, probes=self.probes, on_repair=self._on_repair
+            self.comm, self.policy, shards=c.shards, dispatch=dispatch, probes=self.probes, on_repair=self._on_repair,
+            overlap=c.overlap,
         )
         if c.ledger_path is not None:
             self.ledger = LeaderLedger(c.ledger_path)
@@ -407,6 +415,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             shard_model(self.model, self.device_mesh)
         if self.watchdog is not None and self.watchdog.stuck_timeout is not None:
             install_progress_hooks(self.model, self.watchdog.tick)
+        on_gradient_ready([p for p in self.model.parameters() if p.requires_grad], self._gradient_ready)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -632,6 +641,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             self.probes.fault_point("joined", step=self._joining.seat.attempt)
             self._joining = None
         step = self.engine.begin(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
+        # The microbatches planned now run first; the last of them reduce-scatters inside the
+        # replica and overlaps the cross-replica reduction (see backward).
+        self._planned_phase, self._final_offset = True, step.mine.ids[-1]
         self._log_bases = self._step_logs.begin_step(self._train_results())
         with self._abandon_step_on_error():
             self._start_logging()
@@ -739,12 +751,37 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         st = self.engine.state if self.engine is not None else None
+        inflight = None
         if st is not None and self.probes is not None:
+            assert self.engine is not None
             self.probes.fault_point("backward", step=st.step, microbatch=st.microbatches_run)
             self.probes.tick()
             st.microbatches_run += 1
-        with self.replica_guard("backward"):
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            # Deferring the in-replica reduce-scatter is safe only inside the planned run: a
+            # re-plan (or a recovery microbatch) may reset the accumulator, and FSDP2's pending
+            # unsharded gradient has no public way to be dropped, so from then on every
+            # backward syncs (which flushes what is pending).
+            final = self._planned_phase and not st.replan_pending and self._logging_offset == self._final_offset
+            deferring = self._planned_phase and not st.replan_pending and not self.config.sync_every_microbatch
+            self._gradient_sync(final or not deferring)
+            if final and self.model is not None:
+                inflight = self.engine.start_overlap(_Runner(self, optimizer))  # type: ignore[arg-type]
+        try:
+            with self.replica_guard("backward"):
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            if inflight is not None:
+                inflight.all_ready()
+
+    def _gradient_sync(self, sync: bool) -> None:
+        if sync != self._syncing and self.model is not None:
+            set_gradient_sync(self.model, sync)
+            self._syncing = sync
+
+    def _gradient_ready(self, index: int) -> None:
+        st = self.engine.state if self.engine is not None else None
+        if st is not None and st.inflight is not None:
+            st.inflight.mark_ready(self.engine.plane_index(index))  # type: ignore[union-attr]
 
     @override
     def optimizer_step(
@@ -759,6 +796,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             st = self.engine.state
             assert st is not None
             self.engine.run(runner, st.mine.ids[1:])
+            self._planned_phase = False
             self.engine.reduce_until_committed(runner)
             self._step_logs.apply(self._train_results(), st.logged_totals, self._log_bases, self.world_size)
             # on_before_optimizer_step and clipping must see the reduced gradient, as with stock

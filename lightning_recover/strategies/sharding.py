@@ -5,10 +5,18 @@ applied once, after the cross-replica sum), and the cross-replica reduction work
 parameter's local shard. Checkpoints hold local shards too. A user who shards the model
 in ``configure_model`` (over the strategy's ``device_mesh``) keeps their FSDP units; the
 sum reduction is set on them all the same.
+
+Two helpers serve the step's schedule: :func:`set_gradient_sync` turns the in-replica
+reduce-scatter off on the microbatches before the last (FSDP2 then accumulates the
+unsharded gradient, as stock HSDP with ``set_requires_gradient_sync``), and
+:func:`on_gradient_ready` reports each parameter's gradient as final, which FSDP2 does
+after a unit's reduce-scatter and autograd after accumulating a plain parameter's -- the
+signal the overlapped cross-replica reduction waits for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -60,6 +68,32 @@ def shard_model(model: torch.nn.Module, mesh: DeviceMesh) -> None:
             # Both are needed on gloo: the divide factor alone is refused ("PREMUL_SUM").
             m.set_force_sum_reduction_for_comms(True)
             m.set_gradient_divide_factor(1.0)
+
+
+def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
+    """Whether the next backward reduce-scatters inside the replica (every FSDP unit of ``model``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_requires_gradient_sync(sync, recurse=False)
+
+
+def on_gradient_ready(params: list[torch.nn.Parameter], ready: Callable[[int], None]) -> list[Any]:
+    """Call ``ready(i)`` once ``params[i].grad`` holds this backward's (accumulated, local-shard) gradient.
+
+    A post-accumulate-grad hook: autograd runs it for a plain parameter, FSDP2 for a
+    sharded one after its unit's reduce-scatter (not at all while gradient sync is off).
+    Returns the handles (``.remove()`` them to undo).
+    """
+
+    def hook_for(i: int) -> Callable[[Tensor], None]:
+        def hook(_param: Tensor) -> None:
+            ready(i)
+
+        return hook
+
+    return [p.register_post_accumulate_grad_hook(hook_for(i)) for i, p in enumerate(params)]
 
 
 def local(t: Tensor) -> Tensor:
