@@ -82,6 +82,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--faults", default="[]", help="recover/adaptive: FaultInjection schedule (JSON list)")
     ap.add_argument("--rejoin", action="store_true", help="recover: hot re-join (replacements for lost replicas)")
     ap.add_argument("--sdc-every", type=int, default=0, help="recover: silent-data-corruption check every N steps (0 = off)")
+    ap.add_argument("--no-overlap", action="store_true", help="recover: recover.overlap=false (reduce after backward)")
+    ap.add_argument("--sync-every-microbatch", action="store_true", help="recover: reduce-scatter inside a replica after every microbatch")
     ap.add_argument("--kills", default="[]", help='cr: JSON list of {"step": t, "rank": r}')
     ap.add_argument("--ckpt-every", type=int, default=0, help="cr: ModelCheckpoint(every_n_train_steps=N)")
     ap.add_argument("--record-loss", action="store_true", help="stock/cr: write the per-step global mean loss")
@@ -227,6 +229,14 @@ def newest_checkpoint(ckdir: Path) -> str | None:
     return str(found[-1]) if found else None
 
 
+def write_peak_rss(out: Path, rank: int) -> None:
+    """This rank's peak resident memory so far (MiB), for the driver's memory comparison."""
+    import resource
+
+    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    (out / f"rss{rank}.json").write_text(json.dumps({"rank": rank, "peak_rss_mib": peak_mib}))
+
+
 def main() -> None:
     args = parse()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -249,10 +259,12 @@ def main() -> None:
         strategy = ReCoVerHSDPStrategy(shards=args.shards, grad_accum=args.grad_accum,
                                        policy="static" if args.system == "recover" else "adaptive",
                                        ledger_path=args.out / "ledger.jsonl", seed=args.seed,
-                                       rejoin=args.rejoin, rejoin_backoff_s=1.0, sdc_every_n_steps=args.sdc_every)
+                                       rejoin=args.rejoin, rejoin_backoff_s=1.0, sdc_every_n_steps=args.sdc_every,
+                                       overlap=not args.no_overlap, sync_every_microbatch=args.sync_every_microbatch)
         trainer = L.Trainer(devices=1, strategy=strategy, enable_checkpointing=False,
                             callbacks=[clock, FaultInjection(json.loads(args.faults))], **common)
         trainer.fit(model, DataLoader(data, batch_size=args.mbs))
+        write_peak_rss(args.out, strategy.comm.rank if strategy.comm else 0)
         if trainer.global_rank == 0:
             clock.dump(args.out / "clock.json", {**extra, "rank": strategy.comm.rank if strategy.comm else 0,
                                                   "faults_seen": strategy.faults_seen, "wall_start": T_START})
@@ -290,6 +302,7 @@ def main() -> None:
                         callbacks=callbacks, **common)
     start_step = int(re.match(r"ckpt-step=(\d+)", Path(ckpt_path).name).group(1)) if ckpt_path else 0  # type: ignore[union-attr]
     trainer.fit(model, DataLoader(_Counter(args.grad_accum * 100_000), batch_size=1), ckpt_path=ckpt_path)
+    write_peak_rss(args.out, trainer.global_rank)
     if trainer.global_rank == 0:
         clock.dump(args.out / f"clock{start_step}.json" if args.system == "cr" else args.out / "clock.json",
                    {**extra, "rank": 0, "resumed_from": start_step, "wall_start": T_START})

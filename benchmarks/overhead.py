@@ -34,7 +34,10 @@ while it ran (``others``: all busy CPU time from /proc/stat minus the job's own 
 over its wall time). Compare ratios from rounds with ``others`` near 0.
 
 Results go to ``benchmarks/results/overhead.json``; the last line printed is the
-headline ``ReCoVer/stock step time: 0.98x (2x2), 1.01x (4x1)``.
+headline ``ReCoVer/stock step time: 0.93x [95% CI 0.90-0.97] (2x2), ...; peak memory per rank:
+1.02x (2x2), ...``. Each rank also records its peak resident memory (``rss<rank>.json``); the
+table shows the largest rank's, per system. ``--ablation`` also times ReCoVer without the
+overlap and with a reduce-scatter after every microbatch (the two settings issue 14 added).
 """
 
 from __future__ import annotations
@@ -57,6 +60,11 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "benchmarks" / "bench_job.py"
 RESULTS = ROOT / "benchmarks" / "results" / "overhead.json"
 LAYOUTS = {"2x2": 2, "4x1": 1}  # name -> shards (world is always 4 ranks)
+# Ablations of ReCoVer: bench_job.py arguments of the named variants.
+SYSTEM_ARGS = {
+    "recover-no-overlap": ["--system", "recover", "--no-overlap"],
+    "recover-sync-every-mb": ["--system", "recover", "--sync-every-microbatch"],
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--naive", action="store_true", help="also time stock-naive (gradient sync on every microbatch)")
     p.add_argument("--ddp", action="store_true", help="also time Lightning DDPStrategy (4x1 only)")
+    p.add_argument("--ablation", action="store_true",
+                   help="also time ReCoVer without overlap and with a reduce-scatter after every microbatch")
     p.add_argument("--quiet-wait", type=float, default=5.0,
                    help="before each job wait up to this many seconds for other work on the machine to stop")
     p.add_argument("--timeout", type=float, default=240, help="hard timeout per launched job, seconds")
@@ -170,6 +180,12 @@ def read_clock(path: Path) -> dict | None:
         return None
 
 
+def peak_rss(outdir: Path) -> float | None:
+    """The largest peak resident memory (MiB) of the job's ranks, from bench_job.py's rss*.json."""
+    peaks = [json.loads(f.read_text())["peak_rss_mib"] for f in outdir.glob("rss*.json")]
+    return max(peaks) if peaks else None
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     if not xs:
@@ -201,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.warmup >= args.steps - 2:
         raise SystemExit(f"--warmup {args.warmup} leaves too few of --steps {args.steps}; use steps >= warmup + 3")
-    systems = ["recover", "stock"] + (["stock-naive"] if args.naive else []) + (["ddp"] if args.ddp else [])
+    systems = (["recover", "stock"] + (["stock-naive"] if args.naive else []) + (["ddp"] if args.ddp else [])
+               + (list(SYSTEM_ARGS) if args.ablation else []))
     work = Path(tempfile.mkdtemp(prefix="lr-overhead-"))
     order = [(lay, sy) for lay in args.layouts for sy in systems if not (sy == "ddp" and LAYOUTS[lay] != 1)]
     runs: list[dict] = []
@@ -212,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         for lay, sy in seq:
             shards = LAYOUTS[lay]
             outdir = work / f"r{rnd}-{lay}-{sy}"
-            job = ["--system", sy, "--shards", str(shards), "--grad-accum", str(args.grad_accum), "--mbs", str(args.mbs),
+            job = [*SYSTEM_ARGS.get(sy, ["--system", sy]), "--shards", str(shards), "--grad-accum", str(args.grad_accum), "--mbs", str(args.mbs),
                    "--steps", str(args.steps), "--size", args.size]
             waited, busy = wait_quiet(args.quiet_wait)
             load0 = loadavg()
@@ -226,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                    "startup_s": (clock["wall_fit_start"] - res["t0"]) if clock else None,
                    "first_step_s": clock["first_step_s"] if clock else None,
                    "intervals_s": clock["intervals_s"] if clock else [], "steady_s": iv,
-                   "median_s": statistics.median(iv) if iv else None}
+                   "median_s": statistics.median(iv) if iv else None, "peak_rss_mib": peak_rss(outdir)}
             runs.append(rec)
             status = f"median {rec['median_s']:.3f} s/step" if ok else f"FAILED rc={res['rc']} timed_out={res['timed_out']}"
             fc = res["foreign_cores"]
@@ -245,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             pooled = [x for r in mine if r["ok"] for x in r["steady_s"]]
             fcs = [r["foreign_cores"] for r in mine if r["foreign_cores"] is not None]
+            peaks = [r["peak_rss_mib"] for r in mine if r["ok"] and r["peak_rss_mib"] is not None]
             s[sy] = {"n": len(pooled), "median_s": statistics.median(pooled) if pooled else None,
+                     "peak_rss_mib": statistics.median(peaks) if peaks else None,
                      "foreign_cores_mean": statistics.fmean(fcs) if fcs else None,
                      "mean_s": statistics.fmean(pooled) if pooled else None,
                      "p10_s": pct(pooled, 0.1), "p90_s": pct(pooled, 0.9), "pooled_s": pooled,
@@ -269,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"model {args.size}, per-rank microbatch {args.mbs}, G={args.grad_accum}, 4 ranks on {os.cpu_count()} cores, "
           f"{args.rounds} alternating rounds, {args.steps} steps/job, first {args.warmup} skipped; total {total:.0f} s")
-    hdr = (f"{'layout':6s} {'system':12s} {'n':>4s} {'median s/step':>14s} {'p10':>7s} {'p90':>7s} {'start-up s':>11s} "
-           f"{'others':>6s}  ratio ReCoVer/this [95% CI]  per round")
+    hdr = (f"{'layout':6s} {'system':22s} {'n':>4s} {'median s/step':>14s} {'p10':>7s} {'p90':>7s} {'start-up s':>11s} "
+           f"{'others':>6s} {'peak MiB/rank':>13s}  ratio ReCoVer/this [95% CI]  per round")
     print(hdr)
     print("-" * len(hdr))
     for lay in args.layouts:
@@ -281,10 +300,12 @@ def main(argv: list[str] | None = None) -> int:
                     + " ".join(f"{x:.2f}" for x in rt["per_round"])) if rt else ""
             med = f"{d['median_s']:.3f}" if d["median_s"] is not None else "n/a"
             fc = d["foreign_cores_mean"]
-            print(f"{lay:6s} {sy:12s} {d['n']:4d} {med:>14s} {d['p10_s']:7.3f} {d['p90_s']:7.3f} {d['startup_s']:11.1f} "
-                  f"{fc if fc is not None else float('nan'):6.2f}  {rtxt}")
+            pk = d["peak_rss_mib"]
+            print(f"{lay:6s} {sy:22s} {d['n']:4d} {med:>14s} {d['p10_s']:7.3f} {d['p90_s']:7.3f} {d['startup_s']:11.1f} "
+                  f"{fc if fc is not None else float('nan'):6.2f} {pk if pk is not None else float('nan'):13.0f}  {rtxt}")
     print("others: mean cores used by other work on the machine during the jobs (shared machine); "
-          "start-up: mpiexec start to on_train_start")
+          "start-up: mpiexec start to on_train_start; peak MiB/rank: the largest rank's peak resident memory "
+          "(median over rounds; the whole process: interpreter, torch, MPI buffers, model, gradients, optimizer)")
 
     import lightning
     import torch
@@ -302,11 +323,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {args.out}")
-    parts = []
+    parts, mem = [], []
     for lay in args.layouts:
         rt = summary[lay].get("ratio_vs_stock")
-        parts.append(f"{rt['ratio']:.2f}x ({lay})" if rt else f"n/a ({lay})")
-    print("ReCoVer/stock step time: " + ", ".join(parts))
+        parts.append(f"{rt['ratio']:.2f}x [95% CI {rt['ci95'][0]:.2f}-{rt['ci95'][1]:.2f}] ({lay})" if rt else f"n/a ({lay})")
+        a, b = (summary[lay].get(sy, {}).get("peak_rss_mib") for sy in ("recover", "stock"))
+        mem.append(f"{a / b:.2f}x ({lay})" if a and b else f"n/a ({lay})")
+    print("ReCoVer/stock step time: " + ", ".join(parts) + "; peak memory per rank: " + ", ".join(mem))
     return 0 if all(r["ok"] for r in runs) else 1
 
 

@@ -160,7 +160,7 @@ class Runner:
         for i in reversed(range(len(self.grads))):
             self.grads[i].add_(grads[i])
             if inflight is not None:
-                inflight.mark_ready(self.engine.plane_index(i))
+                self.engine.gradient_ready(i, self.grads[i])
         if inflight is not None:
             inflight.all_ready()
 
@@ -377,7 +377,7 @@ class SlowBackward(Runner):
         assert inflight is not None
         grads = grad_of(self.step, offset, self.comm.shard)
         self.grads[1].add_(grads[1])
-        inflight.mark_ready(self.engine.plane_index(1))
+        self.engine.gradient_ready(1, self.grads[1])
         # Bucket 0 holds only tensor 1's first elements (plane order is reversed): it must be
         # reduced across the replicas while tensor 0 is still "being computed".
         deadline = time.monotonic() + TIMEOUT_S
@@ -386,7 +386,7 @@ class SlowBackward(Runner):
             time.sleep(0.001)
         self.log.notes.append(("overlapped", self.step))
         self.grads[0].add_(grads[0])
-        inflight.mark_ready(self.engine.plane_index(0))
+        self.engine.gradient_ready(0, self.grads[0])
         inflight.all_ready()
         self.engine.record(offset, loss_of(self.step, offset))
 

@@ -189,6 +189,23 @@ class StepEngine:
         """Where gradient ``index`` (of ``runner.local_grads()``) sits in the reduction's plane order."""
         return len(self._current().local) - 1 - index
 
+    def gradient_ready(self, index: int, tensor: Any) -> None:
+        """Backward made gradient ``index`` final, in ``tensor``: the overlapped round may reduce it.
+
+        A no-op unless a round is in flight. ``tensor`` is the gradient's current local
+        tensor (backward may have replaced the one :meth:`start_overlap` saw).
+        """
+        st = self.state
+        if st is None or st.inflight is None:
+            return
+        j = self.plane_index(index)
+        if st.mine.contributes:
+            st.local[index] = tensor
+            st.inflight.mark_ready(j, tensor)
+        else:
+            st.local[index] = tensor
+            st.inflight.mark_ready(j)  # a spare sends zeros; its gradient only stays for a promotion
+
     def _prepare_reduction(self, runner: MicrobatchRunner) -> None:
         st = self._current()
         if st.handle is None:
@@ -233,6 +250,7 @@ class StepEngine:
                     inflight, st.inflight = st.inflight, None
                     with self.probes.waiting():
                         inflight.join(set_computing=self.probes.set_computing)
+                    self._check_overlapped(runner, inflight)
                 with self.probes.waiting():
                     self.comm.allreduce(
                         st.send[::-1], st.out[::-1], handle=st.handle, on_bucket=self._before_bucket, after_bucket=self._after_bucket
@@ -418,6 +436,27 @@ class StepEngine:
         if failed_at is not None:
             pauses.append(time.perf_counter() - failed_at)
         return result  # type: ignore[return-value]
+
+    def _check_overlapped(self, runner: MicrobatchRunner, inflight: OverlappedReduction) -> None:
+        """After the overlapped round: redo it if backward left a gradient where the round never looked.
+
+        A gradient tensor replaced during backward without its ready signal (a hook that did
+        not fire) was sent from the old tensor: that sum is wrong, so the round is redone
+        synchronously from the final gradients (slower, never wrong).
+        """
+        st = self._current()
+        fresh = runner.local_grads()
+        moved = [i for i, t in enumerate(fresh) if t.data_ptr() != st.local[i].data_ptr()]
+        st.local = fresh
+        if not moved:
+            return
+        log.warning(
+            "step %d: %d gradient tensor(s) were replaced during backward without a ready signal; "
+            "the overlapped reduction is redone after backward", st.step, len(moved),
+        )
+        for bucket in inflight.handle.buckets:
+            bucket.world_epoch = None
+        self.dispatch("on_before_reduce", st)
 
     def _abandon_inflight(self) -> None:
         """Wait out an overlapped round and mark it to be redone (its plan changed, or another collective must run)."""

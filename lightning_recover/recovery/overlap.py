@@ -77,11 +77,21 @@ class OverlappedReduction:
         self._thread.start()
 
     # ------------------------------------------------------------------ the caller's side
-    def mark_ready(self, plane_index: int) -> None:
-        """Tensor ``plane_index`` (plane order) holds its final gradient for this round."""
+    def mark_ready(self, plane_index: int, tensor: Any = None) -> None:
+        """Tensor ``plane_index`` (plane order) holds its final gradient for this round.
+
+        ``tensor``: where that gradient lives now, when backward may have put it in a new
+        tensor (FSDP2 does for some units' parameters) -- it is sent instead.
+        """
         with self._cond:
+            if tensor is not None:
+                self._send[plane_index] = tensor
             self._ready.add(plane_index)
             self._cond.notify_all()
+
+    def sent(self, plane_index: int) -> Any:
+        """The tensor the round sends (or sent) at ``plane_index``."""
+        return self._send[plane_index]
 
     def all_ready(self) -> None:
         """Backward returned: every tensor is final, including those no backward touched."""

@@ -124,11 +124,8 @@ class _Runner:
         self.strategy._capture_logged()
 
     def local_grads(self) -> list[Tensor]:
-        assert self.strategy.model is not None
         grads = []
-        for p in self.strategy.model.parameters():
-            if not p.requires_grad:
-                continue
+        for p in self.strategy._trainable:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(local(p.grad))
@@ -192,6 +189,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._planned_phase = False
         self._final_offset = -1
         self._syncing = True
+        self._trainable: list[torch.nn.Parameter] = []
 
     # ------------------------------------------------------------------ ranks
     @property
@@ -415,7 +413,10 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             shard_model(self.model, self.device_mesh)
         if self.watchdog is not None and self.watchdog.stuck_timeout is not None:
             install_progress_hooks(self.model, self.watchdog.tick)
-        on_gradient_ready([p for p in self.model.parameters() if p.requires_grad], self._gradient_ready)
+        # The sharded parameters, kept: between forward and backward FSDP2 registers a unit's
+        # unsharded parameters on the module instead, so model.parameters() would name those.
+        self._trainable = [p for p in self.model.parameters() if p.requires_grad]
+        on_gradient_ready(self._trainable, self._gradient_ready)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -778,10 +779,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             set_gradient_sync(self.model, sync)
             self._syncing = sync
 
-    def _gradient_ready(self, index: int) -> None:
-        st = self.engine.state if self.engine is not None else None
-        if st is not None and st.inflight is not None:
-            st.inflight.mark_ready(self.engine.plane_index(index))  # type: ignore[union-attr]
+    def _gradient_ready(self, index: int, grad: Tensor) -> None:
+        if self.engine is not None:
+            self.engine.gradient_ready(index, grad)
 
     @override
     def optimizer_step(

@@ -79,17 +79,20 @@ def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:
             m.set_requires_gradient_sync(sync, recurse=False)
 
 
-def on_gradient_ready(params: list[torch.nn.Parameter], ready: Callable[[int], None]) -> list[Any]:
-    """Call ``ready(i)`` once ``params[i].grad`` holds this backward's (accumulated, local-shard) gradient.
+def on_gradient_ready(params: list[torch.nn.Parameter], ready: Callable[[int, Tensor], None]) -> list[Any]:
+    """Call ``ready(i, grad)`` once ``params[i].grad`` holds this backward's (accumulated) gradient.
 
-    A post-accumulate-grad hook: autograd runs it for a plain parameter, FSDP2 for a
-    sharded one after its unit's reduce-scatter (not at all while gradient sync is off).
-    Returns the handles (``.remove()`` them to undo).
+    ``grad`` is its local shard, read when the hook runs: FSDP2 may give a parameter a new
+    gradient tensor in backward (seen for the root unit's parameters) instead of
+    accumulating into the one it had. A post-accumulate-grad hook: autograd runs it for a
+    plain parameter, FSDP2 for a sharded one after its unit's reduce-scatter (not at all
+    while gradient sync is off). Returns the handles (``.remove()`` them to undo).
     """
 
     def hook_for(i: int) -> Callable[[Tensor], None]:
-        def hook(_param: Tensor) -> None:
-            ready(i)
+        def hook(param: Tensor) -> None:
+            assert param.grad is not None
+            ready(i, local(param.grad))
 
         return hook
 

@@ -65,6 +65,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rejoin-attempts", type=int, default=3, help="recover.rejoin_attempts")
     ap.add_argument("--slow-while-degraded", type=float, default=0.0, metavar="SECONDS",
                     help="every rank sleeps this long after each step while replicas are missing (lets replacements start on 2 cores)")
+    ap.add_argument("--no-overlap", action="store_true", help="recover.overlap=false")
+    ap.add_argument("--sync-every-microbatch", action="store_true", help="recover.sync_every_microbatch=true")
     return ap.parse_args(argv)
 
 
@@ -185,6 +187,7 @@ def main() -> None:
         checkpoint_dir=args.ckpt_dir, checkpoint_every_n_steps=args.ckpt_every,
         rejoin=args.rejoin, rejoin_backoff_s=0.5, rejoin_timeout_s=60.0, rejoin_hosts=args.rejoin_hosts,
         rejoin_attempts=args.rejoin_attempts, sdc_every_n_steps=args.sdc_every, sdc_action=args.sdc_action,
+        overlap=not args.no_overlap, sync_every_microbatch=args.sync_every_microbatch,
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,
