@@ -758,7 +758,10 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             self._capture_logged()
             st = self.engine.state
             assert st is not None
-            self.engine.run(runner, st.mine.ids[1:])
+            # A repair inside the first microbatch (a collective in training_step) re-planned the step: the
+            # new plan's ids[1:] may hold the id just computed under the old one (its gradient would count
+            # twice); the boundary step in reduce_until_committed runs exactly what is missing.
+            self.engine.run(runner, () if st.replan_pending else st.mine.ids[1:])
             self.engine.reduce_until_committed(runner)
             self._step_logs.apply(self._train_results(), st.logged_totals, self._log_bases, self.world_size)
             # on_before_optimizer_step and clipping must see the reduced gradient, as with stock
