@@ -69,7 +69,6 @@ Nothing here runs at import: the backend is registered when the strategy builds 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, ItemsView, Sequence, ValuesView
 from dataclasses import dataclass
 from datetime import timedelta
@@ -90,7 +89,6 @@ if TYPE_CHECKING:
 
 __all__ = ["BACKEND", "ProcessGroupULFM", "lockstep_refusal", "new_replica_group", "reduction"]
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: The torch.distributed backend name of the group.
