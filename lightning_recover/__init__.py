@@ -14,6 +14,7 @@ Layers (see DESIGN.md), bottom up:
   callbacks     recovery callbacks (reduction buffers, epoch check, boundary scheduling),
                 fault injection, fallback checkpoints
   strategies    the Lightning strategy: Lightning's hooks, delegating to the step engine
+  process_group the "ulfm" torch.distributed group over layer 1 (strategy.replica_group)
   loggers       logs (CSV, TensorBoard) that survive a change of leader
   launcher/cli  lightning-recover launch | check-ledger
 

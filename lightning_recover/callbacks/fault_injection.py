@@ -3,16 +3,20 @@
 Schedule entries are ``{step, rank, phase, kind}`` with optional ``microbatch`` and
 ``bucket``. ``rank`` is an ORIGINAL world rank; ``step`` the optimizer step (0-based).
 ``phase`` is one of forward | backward | reduce | optimizer | checkpoint | validation |
-test | predict; ``checkpoint`` fires while the leader replica writes the checkpoint of
+test | predict | the re-join and collective phases below; ``checkpoint`` fires while the leader replica writes the checkpoint of
 global step ``step``, after this rank's shard file is written and before anything is
 renamed into place; validation / test / predict fire before this rank's ``microbatch``-th
 batch (0-based) of an evaluation loop run at global step ``step`` (never in the sanity check).
 The hot re-join phases count ``step`` as the re-join attempt (1-based) instead:
 ``join_startup`` fires in a replacement before it says it is ready, ``join_transfer`` in
 the donor before it sends the live state and in a replacement before it receives it, and
-``joined`` in a replacement at the start of its first step. ``kind`` is kill
-(SIGKILL), hang (SIGSTOP: no thread of the process runs) or stuck (the main thread spins
-forever while the process stays alive, like a rank wedged in compute). ``microbatch``
+``joined`` in a replacement at the start of its first step. ``collective`` and
+``collective_done`` fire in this rank's ``microbatch``-th call (0-based, counted within
+step ``step``) over ``strategy.replica_group`` (:mod:`lightning_recover.process_group`):
+before its MPI calls (its peers are left waiting inside the collective), and after they
+returned, before the survivors agree on the result (its peers may have completed it).
+``kind`` is kill (SIGKILL), hang (SIGSTOP: no thread of the process runs) or stuck (the
+main thread spins forever while the process stays alive, like a rank wedged in compute). ``microbatch``
 pins forward/backward to the k-th microbatch (0-based) this replica computes in that
 step; ``bucket`` pins reduce to that bucket index (default 0). ``kind: corrupt`` is silent
 data corruption instead: the process lives on, and one bit (bit 20 of the first element:
@@ -39,9 +43,10 @@ from lightning.pytorch.callbacks import Callback
 
 PHASES = (
     "forward", "backward", "reduce", "optimizer", "checkpoint", "validation", "test", "predict",
-    "join_startup", "join_transfer", "joined",
+    "join_startup", "join_transfer", "joined", "collective", "collective_done",
 )
 EVALUATION_PHASES = ("validation", "test", "predict")
+COLLECTIVE_PHASES = ("collective", "collective_done")
 KINDS = ("kill", "hang", "stuck", "corrupt")
 #: What ``kind: corrupt`` flips a bit of.
 TARGETS = ("params", "grads", "optimizer")
@@ -116,7 +121,7 @@ class FaultInjection(Callback):
         for i, spec in enumerate(self.schedule):
             if i in self._fired or spec.rank != rank or spec.step != step or spec.phase != phase:
                 continue
-            if phase in ("forward", "backward", *EVALUATION_PHASES) and (spec.microbatch or 0) != (microbatch or 0):
+            if phase in ("forward", "backward", *EVALUATION_PHASES, *COLLECTIVE_PHASES) and (spec.microbatch or 0) != (microbatch or 0):
                 continue
             if phase == "reduce" and (spec.bucket or 0) != (bucket or 0):
                 continue

@@ -70,6 +70,7 @@ from lightning_recover.ledger import LeaderLedger
 from lightning_recover.loading import EnginePlan, MicrobatchFeed
 from lightning_recover.loggers import LeaderLogs
 from lightning_recover.policy import WorkloadPolicy, make_policy
+from lightning_recover.process_group import ProcessGroupULFM, lockstep_refusal, new_replica_group
 from lightning_recover.recovery.engine import StepEngine
 from lightning_recover.recovery.hooks import dispatcher
 from lightning_recover.recovery.interface import RepairResult
@@ -257,6 +258,18 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             raise RuntimeError("the device mesh is created in setup_environment(); it is available from configure_model() on")
         return self._device_mesh
 
+    _replica_group: ProcessGroupULFM | None = None
+
+    @property
+    def replica_group(self) -> ProcessGroupULFM:
+        """This rank's shard index across the live replicas as a ``torch.distributed`` process group
+        (backend ``"ulfm"``): ``dist.all_reduce(t, group=strategy.replica_group)`` and friends, where a peer's
+        death is repaired and the call retried over the survivors. One object for the whole job; its size and
+        rank follow the membership. See :mod:`lightning_recover.process_group` for the contract."""
+        if self._replica_group is None:
+            raise RuntimeError("replica_group is built in setup_environment(); it is available from configure_model() on")
+        return self._replica_group
+
     @property
     def B(self) -> int:
         assert self.policy is not None
@@ -330,6 +343,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.engine = StepEngine(
             self.comm, self.policy, shards=c.shards, dispatch=dispatch, probes=self.probes, on_repair=self._on_repair,
             overlap=c.overlap,
+        )
+        engine = self.engine
+        self._replica_group = new_replica_group(
+            self.comm, engine.run_collective, refuse=lambda: lockstep_refusal(engine.state, self._evaluating_batch),
+            probes=self.probes, step=lambda: trainer.global_step,
         )
         if c.ledger_path is not None:
             self.ledger = LeaderLedger(c.ledger_path)
@@ -795,7 +813,10 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             self._capture_logged()
             st = self.engine.state
             assert st is not None
-            self.engine.run(runner, st.mine.ids[1:])
+            # A repair inside the first microbatch (a collective in training_step) re-planned the step: the
+            # new plan's ids[1:] may hold the id just computed under the old one (its gradient would count
+            # twice); the boundary step in reduce_until_committed runs exactly what is missing.
+            self.engine.run(runner, () if st.replan_pending else st.mine.ids[1:])
             self._planned_phase = False
             self.engine.reduce_until_committed(runner)
             self._step_logs.apply(self._train_results(), st.logged_totals, self._log_bases, self.world_size)

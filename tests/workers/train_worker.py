@@ -63,6 +63,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sdc-action", default="repair", help="recover.sdc.action")
     ap.add_argument("--rejoin-hosts", default=None, help="recover.rejoin_hosts")
     ap.add_argument("--rejoin-attempts", type=int, default=3, help="recover.rejoin_attempts")
+    ap.add_argument("--replica-group", action="store_true",
+                    help="training_step runs torch.distributed collectives over strategy.replica_group once per step; "
+                    "each rank writes what it got to collectives{RANK}.jsonl")
     ap.add_argument("--slow-while-degraded", type=float, default=0.0, metavar="SECONDS",
                     help="every rank sleeps this long after each step while replicas are missing (lets replacements start on 2 cores)")
     ap.add_argument("--no-overlap", action="store_true", help="recover.overlap=false")
@@ -141,6 +144,40 @@ class MarkWorker:
         (self.out / f"{os.getppid()}-{os.getpid()}-{worker_id}").touch()
 
 
+def replica_group_calls(strategy: ReCoVerHSDPStrategy, step: int, out: Path) -> None:
+    """A user's cross-replica collectives, as a LightningModule would run them in training_step.
+
+    Each replica contributes replica + 1 (and to the bf16 sum: 1.0 from replica 0, 2**-8 from
+    the others, which only a float32 accumulation sums right). The call order is fixed: fault
+    injection names a call by its index in the step (0 = the first all_reduce, 5 = all_gather)."""
+    import torch.distributed as dist
+
+    pg = strategy.replica_group
+    mine = float(strategy.replica + 1)
+    total = torch.tensor([mine, 2 * mine])
+    dist.all_reduce(total, group=pg)
+    top = torch.tensor([mine])
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=pg)
+    low = torch.tensor([int(mine)], dtype=torch.int64)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN, group=pg)
+    mean = torch.tensor([mine], dtype=torch.float64)
+    dist.all_reduce(mean, op=dist.ReduceOp.AVG, group=pg)
+    half = torch.tensor([1.0 if strategy.replica == 0 else 2.0**-8], dtype=torch.bfloat16)
+    dist.all_reduce(half, group=pg)
+    rows = [torch.full((2,), -1.0) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(rows, torch.tensor([mine, -mine]), group=pg)
+    sent = torch.tensor([mine])
+    dist.broadcast(sent, group_src=min(1, dist.get_world_size(pg) - 1), group=pg)
+    dist.barrier(group=pg)
+    record = {
+        "step": step, "sum": total.tolist(), "max": top.item(), "min": low.item(), "avg": mean.item(),
+        "bf16": half.item(), "bf16_dtype": str(half.dtype), "gathered": [r.tolist() for r in rows], "bcast": sent.item(),
+        "size": dist.get_world_size(pg), "rank": dist.get_rank(pg), "pg_rank": pg.rank(), "replicas": list(pg.replicas),
+    }
+    with open(out / f"collectives{strategy.comm.rank}.jsonl", "a") as f:  # type: ignore[union-attr]
+        f.write(json.dumps(record) + "\n")
+
+
 def dead_ranks_loaders(out: Path, alive: list[int], shards: int) -> list[int]:
     """Loader workers of ranks outside the live replicas that are still running (not even zombies)."""
     rank_pids = {int(f.name): int(f.read_text()) for f in (out / "rankpids").iterdir()}
@@ -168,8 +205,13 @@ def main() -> None:
     model.samples_seen = SumMetric()
     original_step = model.training_step
 
+    synced_step = [-1]
+
     def counting_step(batch, batch_idx):  # type: ignore[no-untyped-def]
         model.samples_seen.update(torch.tensor(float(batch[0].shape[0])))
+        if args.replica_group and model.trainer.global_step != synced_step[0]:
+            synced_step[0] = model.trainer.global_step  # once per step: the step's first microbatch
+            replica_group_calls(strategy, model.trainer.global_step, out)
         loss = original_step(batch, batch_idx)
         model.log("loss_synced", loss, sync_dist=True, on_step=True)
         return loss
