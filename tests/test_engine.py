@@ -395,6 +395,8 @@ class SlowBackward(Runner):
 def test_overlap_reduces_buckets_while_backward_still_runs(T: int) -> None:
     out = run_checked(Scenario(replicas=3, T=T, steps=2, overlap=True))
     assert not out.dead
+    assert all(r["overlapped"] for s in range(2) for r in out.records(s))
+    assert not any(r["overlapped"] for r in simulate(Scenario(replicas=3, T=T, steps=2)).records(0))
     out = simulate(Scenario(replicas=3, T=T, steps=2, overlap=True), runner_cls=SlowBackward)
     check_protocol(out)
     for log in out.logs.values():

@@ -69,6 +69,8 @@ def test_fault_free_matches_single_process_accumulation(fault_free: dict[str, MP
         assert_params_close(p, ref_params, rtol=1e-5, atol=1e-6)
     verdict = check_ledger(job.outdir / "ledger.jsonl")
     assert verdict.ok, verdict.problems
+    # Every step reduced across replicas during its last backward (recover.overlap defaults on).
+    assert [line["overlapped"] for line in read_ledger(job.outdir / "ledger.jsonl")] == [True] * STEPS
     # torchmetrics state syncs across all live ranks, not just inside the replica.
     samples = {res["samples_seen"] for res in job.results().values()}
     per_mb = 2 * int(args[1])  # --mbs 2 per shard rank

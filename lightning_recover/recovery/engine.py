@@ -180,6 +180,7 @@ class StepEngine:
                 "a callback asked to redo microbatches (step.redo) before the last backward ran; a callback that "
                 "checks the whole local gradient must set step.overlap = False in on_before_overlap"
             )
+        st.overlapped = True
         st.inflight = OverlappedReduction(
             self.comm, st.send[::-1], st.out[::-1], st.handle, before_bucket=self._overlapped_bucket, after_bucket=self._after_bucket
         )
@@ -301,6 +302,7 @@ class StepEngine:
             detect_s=sum(st.detects),
             detects_s=st.detects,
             stale_buckets=st.stale_buckets_redone,
+            overlapped=st.overlapped,
             policy=self.policy.name,
             divisor=st.plan.divisor,
             # ok: the joiner is still there at the commit (one dead by then is also among the faults).

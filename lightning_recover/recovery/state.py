@@ -86,6 +86,8 @@ class StepState:
     overlap: bool = True
     #: The overlapped first round while it runs (:class:`~.overlap.OverlappedReduction`).
     inflight: Any = None
+    #: The first round did start during the last backward (the ledger's ``overlapped``).
+    overlapped: bool = False
 
     @property
     def mine(self) -> ReplicaPlan:
