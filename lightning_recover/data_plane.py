@@ -323,11 +323,11 @@ class TorchDistDataPlane(DataPlane):
         self._control = control
         self._store = store
         self._group: Any = None
-        # The collective in flight and the buffer it writes: handed to the reaper if abandoned.
-        self._inflight: tuple[Any, torch.Tensor] | None = None
+        # The collective in flight: handed to the reaper with the staging buffers if abandoned.
+        self._inflight: Any = None
+        # Staging buffers by dtype, reused bucket after bucket (fresh pages would cost a fault each).
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
         self._closed = False
-        #: "nccl": the device the buckets are staged on (this rank's current CUDA device).
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     @property
     def prefix(self) -> str:
@@ -342,19 +342,32 @@ class TorchDistDataPlane(DataPlane):
             _copy_through(bucket, src, dst)
             self.reductions += 1
             return
-        group = self._connected(where)
+        device = self._device_for(src[bucket.segments[0][0]])
+        group = self._connected(where, device)
         for dtype, segs in _by_stage_dtype(bucket, src):
             # A buffer of the plane's own, never the gradients: an abandoned operation may still write it.
-            stage = torch.empty(sum(e - s for _, s, e in segs), dtype=dtype, device=self.device)
+            stage = self._buffer(dtype, sum(e - s for _, s, e in segs), device)
             _gather(segs, src, stage)
-            work = group.allreduce([stage])
-            self._inflight = (work, stage)
+            self._inflight = work = group.allreduce([stage])
             self._wait(work, where)
             self._inflight = None
             _scatter(segs, stage, dst)
         self.reductions += 1
 
-    def _connected(self, where: str) -> Any:
+    def _device_for(self, tensor: torch.Tensor) -> torch.device:
+        """Where a bucket is staged: host memory for gloo; for NCCL the gradients' CUDA device (the
+        current device is per thread, and the caller may be a helper thread)."""
+        if self.backend == "gloo":
+            return torch.device("cpu")
+        return tensor.device if tensor.is_cuda else torch.device("cuda", torch.cuda.current_device())
+
+    def _buffer(self, dtype: torch.dtype, numel: int, device: torch.device) -> torch.Tensor:
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.numel() < numel or buf.device != device:
+            buf = self._buffers[dtype] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
+
+    def _connected(self, where: str, device: torch.device) -> Any:
         """The group, connected at the epoch's first bucket under the same watch as a collective."""
         if self._group is not None:
             return self._group
@@ -363,7 +376,7 @@ class TorchDistDataPlane(DataPlane):
 
         def connect() -> None:
             try:
-                box["group"] = self._make_group()
+                box["group"] = self._make_group(device)
             except Exception as exc:  # noqa: BLE001 - judged by the caller, with the control plane
                 box["error"] = exc
             finally:
@@ -377,7 +390,7 @@ class TorchDistDataPlane(DataPlane):
         self._group = box["group"]
         return self._group
 
-    def _make_group(self) -> Any:
+    def _make_group(self, device: torch.device) -> Any:
         import torch.distributed as dist
 
         timeout = timedelta(seconds=self.timeout_s)
@@ -397,18 +410,31 @@ class TorchDistDataPlane(DataPlane):
         previous = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
         os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
         try:
-            return dist.ProcessGroupNCCL(prefixed, self.rank, self.size, options)  # type: ignore[attr-defined]
+            group = dist.ProcessGroupNCCL(prefixed, self.rank, self.size, options)  # type: ignore[attr-defined]
         finally:
             if previous is None:
                 os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
             else:
                 os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = previous
+        # NCCL creates its communicator lazily, inside the first collective, waiting on the
+        # store where nothing watches the control plane; connect here, in the watched thread.
+        group.eager_connect_single_device(device)
+        return group
 
     def _wait(self, work: Any, where: str) -> None:
         if self.backend == "gloo":
-            finished = threading.Event()
-            work.get_future().add_done_callback(lambda _: finished.set())
-            self._watch(finished.wait, where)
+            step = timedelta(seconds=self.poll_s)
+
+            def finished_within(_: float) -> bool:
+                try:
+                    work.wait(step)
+                    return True
+                except RuntimeError:
+                    # "Operation timed out!" only says it is still running; a finished
+                    # work's own error is raised again by the wait below.
+                    return bool(work.is_completed())
+
+            self._watch(finished_within, where)
         else:
             # A CUDA future completes when the collective is enqueued, not done: ask the work itself.
             def finished_within(seconds: float) -> bool:
@@ -456,6 +482,7 @@ class TorchDistDataPlane(DataPlane):
         self._closed = True
         group, self._group = self._group, None
         inflight, self._inflight = self._inflight, None
+        buffers, self._buffers = self._buffers, {}
         if group is None and inflight is None:
             return
         if self.backend == "nccl" and group is not None:
@@ -463,5 +490,4 @@ class TorchDistDataPlane(DataPlane):
                 group.abort()  # ncclCommAbort: pending kernels end, nothing waits for a peer
             except Exception:  # noqa: BLE001, S110 - already aborted by NCCL's watchdog
                 pass
-        works = [inflight[0]] if inflight is not None else []
-        _reap(works, group, inflight, self._store)
+        _reap([inflight] if inflight is not None else [], group, buffers, self._store)
