@@ -78,7 +78,7 @@ from lightning_recover.topology import RankLayout
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "FaultTolerantComm", "ULFMUnavailableError", "ulfm_available"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_PLANE_TIMEOUT_S", "FaultTolerantComm", "ULFMUnavailableError", "ulfm_available"]
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 # MPI has native sum support for these; 16-bit floats are widened to fp32 first (every data plane does the same).
 _NATIVE = NATIVE
 _WIDEN = WIDEN
-#: The ULFM world's cross-replica data plane timeout (seconds) when none is given: recover.timeout_s's default.
+#: Timeout (seconds) of a gloo/NCCL data plane when none is given: recover.timeout_s's default.
 DEFAULT_PLANE_TIMEOUT_S = 60.0
 
 
