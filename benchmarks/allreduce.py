@@ -18,6 +18,13 @@ Options: ``--sizes-mb 4 64``, ``--ranks 2 4``, ``--iters``, ``--warmup``,
 4 MiB), ``--sweep-buckets-mb`` (bucket sizes also timed at the largest buffer size) and
 ``--timeout`` (seconds per mpiexec job).
 
+``--data-planes`` also times the cross-replica reduction over each data plane
+(:mod:`lightning_recover.data_plane`): ``FaultTolerantComm(data_plane="mpi")`` and
+``FaultTolerantComm(data_plane="gloo")`` reducing ``across="replicas"`` (one shard, so the
+whole world), out of place, at every buffer size with the bucket size above and at the
+largest size with every swept bucket size. The last line is then the headline ratio
+gloo plane / MPI plane bandwidth at the largest size.
+
 Run it on a quiet machine. MPI's shared-memory path needs its ranks on a core at the same
 time; when other processes compete for the cores its large-message bandwidth collapses
 far more than gloo's (TCP loopback, kernel-buffered). The script measures the CPU load
@@ -53,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=None, help="FaultTolerantComm bucket size in MiB (default: library default)")
     p.add_argument("--sweep-buckets-mb", type=float, nargs="*", default=[1, 4, 16, 25, 64],
                    help="extra bucket sizes timed (out-of-place) at the largest buffer size; none to skip")
+    p.add_argument("--data-planes", action="store_true",
+                   help="also time the gloo data plane vs the MPI one (FaultTolerantComm data_plane=...); last line = their ratio")
     p.add_argument("--timeout", type=float, default=150, help="hard timeout per mpiexec job in seconds")
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON results file")
     p.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)  # set when run under mpiexec
@@ -98,6 +107,8 @@ def worker(args: argparse.Namespace) -> None:
     rank, size = world.Get_rank(), world.Get_size()
     bucket_bytes = int(args.bucket_mb * MB) if args.bucket_mb else DEFAULT_BUCKET_BYTES
     comm = FaultTolerantComm(bucket_bytes=bucket_bytes)
+    # The data planes: one communicator per plane, each with its own buckets and plane.
+    planes = {k: FaultTolerantComm(bucket_bytes=bucket_bytes, data_plane=k) for k in ("mpi", "gloo")} if args.data_planes else {}
 
     # gloo on the same ranks: rank 0 hosts the TCPStore on a free port, MPI tells the others.
     if rank == 0:
@@ -124,12 +135,23 @@ def worker(args: argparse.Namespace) -> None:
     def gloo(x: torch.Tensor, y: torch.Tensor) -> None:
         dist.all_reduce(y)
 
+    def plane(pc: FaultTolerantComm, bucket: int):
+        def run(x: torch.Tensor, y: torch.Tensor) -> None:
+            pc.bucket_bytes = bucket
+            pc.allreduce([x], [y])  # across="replicas": this world epoch's data plane
+
+        return run
+
     results = []
     for size_mb in args.sizes_mb:
         backends = {"ulfm": ulfm(bucket_bytes), "ulfm_inplace": ulfm(bucket_bytes, inplace=True), "gloo": gloo}
         if size_mb == max(args.sizes_mb):
             for b in args.sweep_buckets_mb or []:
                 backends[f"ulfm@{b:g}MB"] = ulfm(int(b * MB))
+        plane_buckets = [bucket_bytes] + [int(b * MB) for b in (args.sweep_buckets_mb or []) if size_mb == max(args.sizes_mb)]
+        for kind, pc in planes.items():
+            for b in dict.fromkeys(plane_buckets):
+                backends[f"plane_{kind}@{b / MB:g}MB"] = plane(pc, b)
         n = int(size_mb * MB) // 4
         x = torch.full((n,), float(rank + 1), dtype=torch.float32)
         y = torch.empty_like(x)
@@ -176,6 +198,8 @@ def worker(args: argparse.Namespace) -> None:
         meta = {"bucket_bytes": bucket_bytes, "buckets_at_max_size": buckets, "mpi": MPI.Get_library_version().strip().splitlines()[0]}
         args.worker.write_text(json.dumps({"results": results, "meta": meta}))
     dist.destroy_process_group()
+    for pc in planes.values():
+        lifecycle.end_job(pc)
     lifecycle.end_job(comm)
 
 
@@ -187,6 +211,8 @@ def run_job(nprocs: int, args: argparse.Namespace, outfile: Path) -> str:
            "--sizes-mb", *map(str, args.sizes_mb), "--iters", str(args.iters), "--warmup", str(args.warmup)]
     if args.bucket_mb:
         cmd += ["--bucket-mb", str(args.bucket_mb)]
+    if args.data_planes:
+        cmd += ["--data-planes"]
     cmd += ["--sweep-buckets-mb", *map(str, args.sweep_buckets_mb or [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -284,7 +310,31 @@ def main(argv: list[str] | None = None) -> int:
         best = max(sweep, key=lambda name: min(bw(name, n, big) / bw("gloo", n, big) for n in args.ranks))
         line += f"; best swept bucket {best[5:]}: " + ", ".join(f"{bw(best, n, big) / bw('gloo', n, big):.2f}x" for n in args.ranks)
     print(line + "]")
+    if args.data_planes:
+        print(plane_report(rows, args, meta["bucket_bytes"]))
     return 0
+
+
+def plane_report(rows: list[dict], args: argparse.Namespace, bucket_bytes: int) -> str:
+    """The data-plane table (printed); returns its headline, the last line."""
+
+    def bw(name: str, ranks: int, size: float) -> float | None:
+        return next((r["algbw_GBps"] for r in rows if r["backend"] == name and r["ranks"] == ranks and r["size_mb"] == size), None)
+
+    print("\ndata planes: cross-replica reduce (FaultTolerantComm.allreduce, out of place), GB/s")
+    header = f"{'ranks':>5} {'size':>7} {'bucket':>8} {'mpi':>9} {'gloo':>9} {'gloo/mpi':>9}"
+    print(header)
+    print("-" * len(header))
+    buckets = [bucket_bytes / MB, *(args.sweep_buckets_mb or [])]
+    for n in args.ranks:
+        for s in args.sizes_mb:
+            for b in dict.fromkeys(buckets):
+                m, g = bw(f"plane_mpi@{b:g}MB", n, s), bw(f"plane_gloo@{b:g}MB", n, s)
+                if m is not None and g is not None:
+                    print(f"{n:>5} {s:>5g}MB {b:>6g}MB {m:>9.3f} {g:>9.3f} {g / m:>8.2f}x")
+    big, default = max(args.sizes_mb), bucket_bytes / MB
+    parts = [f"{bw(f'plane_gloo@{default:g}MB', n, big) / bw(f'plane_mpi@{default:g}MB', n, big):.2f}x ({n} ranks)" for n in args.ranks]  # type: ignore[operator]
+    return f"ratio gloo/mpi data plane bandwidth at {big:g} MB, bucket {default:g} MiB: " + ", ".join(parts)
 
 
 if __name__ == "__main__":

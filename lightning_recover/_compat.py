@@ -43,6 +43,10 @@ TORCH_APIS: dict[str, str] = {
     "torch.distributed.tensor.DTensor.device_mesh": "2.5",
     # TCPStore(port=0, wait_for_workers=False) and its .port: the replica-local group's store.
     "torch.distributed.TCPStore": "2.0",
+    # The gloo data plane (data_plane.py): a group per world epoch built without the default
+    # process group. (Its NCCL twin, ProcessGroupNCCL, exists only in CUDA builds.)
+    "torch.distributed.ProcessGroupGloo": "2.0",
+    "torch.distributed.PrefixStore": "2.0",
     # Checkpoints (strategies/checkpoint_io.py, recover_hsdp.py): the FSDP2-aware state-dict helpers.
     "torch.distributed.checkpoint.state_dict.StateDictOptions": "2.2",
     "torch.distributed.checkpoint.state_dict.get_model_state_dict": "2.2",

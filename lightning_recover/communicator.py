@@ -17,6 +17,13 @@ when a :class:`FaultTolerantComm` is built.
   (reduced under an older membership) and must be rolled back and reduced again.
   16-bit tensors are reduced in fp32: MPI has no bf16 type and a 16-bit buffer passed as
   bytes sums silently wrong.
+* The buckets of the cross-replica reduction travel over the **data plane**
+  (:mod:`lightning_recover.data_plane`): MPI on the shard communicator (the default), or a
+  gloo/NCCL group among the same ranks. One is built per world epoch -- here, after each
+  repair and after each ``grow`` -- and the previous one is closed. This communicator stays
+  the control plane: the data plane asks it whether a failure was noticed
+  (:meth:`FaultTolerantComm.failure_noticed`) and has it revoke and gate
+  (:meth:`FaultTolerantComm.peer_failure`). ``across="world"`` reductions stay on MPI.
 * A peer death anywhere surfaces as one exception type, :class:`PeerFailure`, carrying the
   original world ranks this rank knows to be dead. Before raising, the rank revokes its
   communicators so that every peer blocked in a collective is released too.
@@ -54,23 +61,35 @@ import numpy as np
 import torch
 
 from lightning_recover import lifecycle
-from lightning_recover.recovery.buckets import Bucket, ReduceHandle, plan_buckets
+from lightning_recover.data_plane import (
+    DATA_PLANES,
+    NATIVE,
+    WIDEN,
+    DataPlane,
+    FailedPlane,
+    MPIDataPlane,
+    TorchDistDataPlane,
+    host_store,
+)
+from lightning_recover.recovery.buckets import ReduceHandle, plan_buckets
 from lightning_recover.recovery.interface import PeerFailure, RepairResult
 from lightning_recover.topology import RankLayout
 
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "FaultTolerantComm", "ULFMUnavailableError", "ulfm_available"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_PLANE_TIMEOUT_S", "FaultTolerantComm", "ULFMUnavailableError", "ulfm_available"]
 
 log = logging.getLogger(__name__)
 
 # 4 MiB: on shared memory, smaller buckets pipeline better (see benchmarks/allreduce.py sweep).
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
-# MPI has native sum support for these; 16-bit floats are widened to fp32 first.
-_NATIVE = {torch.float32: np.float32, torch.float64: np.float64, torch.int32: np.int32, torch.int64: np.int64}
-_WIDEN = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+# MPI has native sum support for these; 16-bit floats are widened to fp32 first (every data plane does the same).
+_NATIVE = NATIVE
+_WIDEN = WIDEN
+#: Timeout (seconds) of a gloo/NCCL data plane when none is given: recover.timeout_s's default.
+DEFAULT_PLANE_TIMEOUT_S = 60.0
 
 
 def _this_process() -> tuple[str, int, str | None]:
@@ -143,7 +162,15 @@ def _ulfm_unavailable_message() -> str:
 class FaultTolerantComm:
     """ULFM communicator for W replicas x S shards; see the module docstring for the contract."""
 
-    def __init__(self, layout: RankLayout | None = None, *, shards: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        layout: RankLayout | None = None,
+        *,
+        shards: int = 1,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        data_plane: str = "mpi",
+        plane_timeout_s: float = DEFAULT_PLANE_TIMEOUT_S,
+    ) -> None:
         MPI = _mpi()
         base = MPI.COMM_WORLD
         if layout is None:
@@ -154,7 +181,7 @@ class FaultTolerantComm:
             raise ValueError(f"bucket_bytes must be >= 4, got {bucket_bytes}")
         if not ulfm_available():
             raise ULFMUnavailableError(_ulfm_unavailable_message())
-        self._setup(layout, base.Get_rank(), bucket_bytes)
+        self._setup(layout, base.Get_rank(), bucket_bytes, data_plane, plane_timeout_s)
         self.world = base.Dup()
         self.world.Set_errhandler(MPI.ERRORS_RETURN)
         self._base_group = base.Get_group()
@@ -162,10 +189,21 @@ class FaultTolerantComm:
         self.shard_comm = self._split_shard(self.world)
         self.alive_replicas = tuple(range(layout.replicas))
         self._procs = dict(enumerate(self.world.allgather(_this_process())))
+        self._open_plane()
 
-    def _setup(self, layout: RankLayout, rank: int, bucket_bytes: int) -> None:
+    def _setup(self, layout: RankLayout, rank: int, bucket_bytes: int, data_plane: str, plane_timeout_s: float) -> None:
+        if data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane must be one of {', '.join(DATA_PLANES)}, got {data_plane!r}")
+        if not plane_timeout_s > 0:
+            raise ValueError(f"plane_timeout_s must be a positive number of seconds, got {plane_timeout_s!r}")
         self.layout = layout
         self.bucket_bytes = bucket_bytes
+        #: ``recover.data_plane``: what carries the cross-replica buckets (one plane per world epoch).
+        self.data_plane_kind = data_plane
+        self.plane_timeout_s = plane_timeout_s
+        #: This world epoch's data plane (None until this rank has a world).
+        self.data_plane: DataPlane | None = None
+        self._world_plane: MPIDataPlane | None = None
         #: Membership generation: 0 at start, +1 per repair or join. Buckets are tagged with it.
         self.world_epoch = 0
         #: Logical rank: the original world rank, or the lost rank a replacement took over. Never changes.
@@ -183,12 +221,20 @@ class FaultTolerantComm:
         self.fault_hook: Callable[[str], None] | None = None
 
     @classmethod
-    def joiner(cls, layout: RankLayout, rank: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> FaultTolerantComm:
+    def joiner(
+        cls,
+        layout: RankLayout,
+        rank: int,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        data_plane: str = "mpi",
+        plane_timeout_s: float = DEFAULT_PLANE_TIMEOUT_S,
+    ) -> FaultTolerantComm:
         """A replacement rank's communicator: it has no world until :meth:`grow` installs the merged one."""
         if not ulfm_available():
             raise ULFMUnavailableError(_ulfm_unavailable_message())
         self = cls.__new__(cls)
-        self._setup(layout, rank, bucket_bytes)
+        self._setup(layout, rank, bucket_bytes, data_plane, plane_timeout_s)
         self.world = self.shard_comm = None  # type: ignore[assignment]
         return self
 
@@ -225,6 +271,7 @@ class FaultTolerantComm:
         self._procs.update({r: proc for r, _, proc in rows})
         self.world_epoch = max(e for _, e, _ in rows) + 1
         self.alive_replicas = tuple(self.layout.complete_replicas(self._ids))
+        self._open_plane()
         return True
 
     # ------------------------------------------------------------------ membership
@@ -277,6 +324,52 @@ class FaultTolerantComm:
         comm.Set_errhandler(_mpi().ERRORS_RETURN)
         return comm
 
+    # ------------------------------------------------------------------ data plane
+    def _open_plane(self) -> None:
+        """Close the previous world epoch's data plane and build this one's (collective over the world).
+
+        For gloo/NCCL the leader hosts a fresh ``TCPStore`` and broadcasts its address; a
+        peer failure in that broadcast leaves a :class:`FailedPlane`, which raises it at the
+        epoch's first bucket, where the step's recovery handles it like any other."""
+        for old in (self.data_plane, self._world_plane):
+            if old is not None:
+                old.close()
+        self._world_plane = MPIDataPlane(self.world, self._fail, self.world_epoch)
+        kind, size = self.data_plane_kind, self.shard_comm.Get_size()
+        if kind == "mpi":
+            self.data_plane = MPIDataPlane(self.shard_comm, self._fail, self.world_epoch)
+            return
+        store, address = None, None
+        try:
+            if self.is_leader:
+                store, address = host_store([self._procs[r][0] for r in self.members], self.plane_timeout_s)
+            address = self.bcast_object(address)
+        except PeerFailure as exc:
+            self.data_plane = FailedPlane(kind, self, self.world_epoch, size, f"peer failure during {exc.where}")
+            return
+        assert isinstance(address, tuple)
+        self.data_plane = TorchDistDataPlane(
+            kind, self, world_epoch=self.world_epoch, shard=self.shard, rank=self.shard_comm.Get_rank(), size=size,
+            address=address, store=store, timeout_s=self.plane_timeout_s,
+        )
+
+    def failure_noticed(self) -> bool:
+        """Whether this rank knows of a dead member of the current world, or that it was revoked.
+
+        Cheap and local (a data plane polls it while its collective is pending). ULFM
+        learns of failures and revokes only while MPI makes progress, which a rank blocked
+        outside MPI never does; the probe drives that progress."""
+        MPI = _mpi()
+        try:
+            self.world.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+        except MPI.Exception as exc:
+            if exc.Get_error_class() in _failure_classes():
+                return True
+            raise
+        if self.world.Is_revoked() or self.shard_comm.Is_revoked():
+            return True
+        return bool(self.known_failed())
+
     # ------------------------------------------------------------------ failures
     def _fail(self, where: str, exc: MPI.Exception) -> PeerFailure:
         """Turn an MPI error into PeerFailure: revoke so blocked peers are released, apply the gate."""
@@ -284,10 +377,17 @@ class FaultTolerantComm:
         if cls not in _failure_classes() and not self.known_failed():
             # Open MPI sometimes reports a peer death as ERR_OTHER; only a known failure makes it one.
             raise exc
+        return self._peer_failure(where, cls, f"MPI error during {where}")
+
+    def peer_failure(self, where: str, error_class: int | None = None) -> PeerFailure:
+        """The :class:`PeerFailure` for a failure a data plane saw: revoke so blocked peers are released, apply the gate."""
+        return self._peer_failure(where, error_class, f"peer failure during {where}")
+
+    def _peer_failure(self, where: str, error_class: int | None, reason: str) -> PeerFailure:
         self._revoke(self.shard_comm, self.world)
         dead = self.known_failed()
-        self.check_gate(dead, reason=f"MPI error during {where}")
-        return PeerFailure(dead, where, cls)
+        self.check_gate(dead, reason=reason)
+        return PeerFailure(dead, where, error_class)
 
     def fail_for(self, where: str, exc: MPI.Exception) -> PeerFailure:
         """The :class:`PeerFailure` for an MPI error of a caller's own point-to-point traffic on :attr:`world`."""
@@ -332,12 +432,12 @@ class FaultTolerantComm:
         Pass the returned ``handle`` back after :meth:`repair` to redo exactly the buckets
         that are not complete in the current world epoch (create it up front with
         :meth:`plan` so it survives the exception). ``across="world"`` reduces over every
-        rank instead of one shard index. ``on_bucket(i)`` runs before bucket ``i`` (fault
+        rank instead of one shard index, always over MPI (small: the step's loss header and
+        logged values); ``"replicas"`` goes over this world epoch's :attr:`data_plane`. ``on_bucket(i)`` runs before bucket ``i`` (fault
         injection); ``after_bucket(i)`` runs once bucket ``i`` completed and carries the
         current world epoch.
         """
-        MPI = _mpi()
-        comm = self._comm_for(across)
+        plane = self._plane_for(across)
         dsts = list(out) if out is not None else list(tensors)
         self._check_tensors(tensors, dsts)
         if handle is None:
@@ -353,10 +453,7 @@ class FaultTolerantComm:
                 else:
                     handle.snapshots[i] = [tensors[ti].view(-1)[s:e].clone() for ti, s, e in bucket.segments]
             bucket.world_epoch = None
-            try:
-                self._reduce_bucket(comm, bucket, tensors, dsts)
-            except MPI.Exception as exc:
-                raise self._fail(f"reduce of bucket {i}/{len(handle.buckets)}", exc) from None
+            plane.reduce(bucket, tensors, dsts, f"reduce of bucket {i}/{len(handle.buckets)}")
             bucket.world_epoch = self.world_epoch
             if after_bucket is not None:
                 after_bucket(i)
@@ -366,6 +463,14 @@ class FaultTolerantComm:
         """A fresh handle splitting ``tensors`` into buckets of about ``bucket_bytes``."""
         itemsize = max((4 if t.dtype in _WIDEN else t.element_size()) for t in tensors) if tensors else 4
         return ReduceHandle(plan_buckets([t.numel() for t in tensors], max(1, self.bucket_bytes // itemsize)))
+
+    def _plane_for(self, across: str) -> DataPlane:
+        """This world epoch's data plane for ``across="replicas"``; MPI on the world for ``"world"``."""
+        plane = self.data_plane if across == "replicas" else self._world_plane if across == "world" else None
+        if plane is None:
+            self._comm_for(across)  # names a bad ``across``
+            raise RuntimeError("this rank has no world yet: a replacement reduces only after grow()")
+        return plane
 
     def _comm_for(self, across: str) -> MPI.Comm:
         if across == "replicas":
@@ -388,35 +493,6 @@ class FaultTolerantComm:
                     f"tensor {i} has dtype {a.dtype}, which cannot be summed over MPI; "
                     f"use one of {sorted(str(d) for d in [*_NATIVE, *_WIDEN])}"
                 )
-
-    def _reduce_bucket(self, comm: MPI.Comm, bucket: Bucket, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
-        MPI = _mpi()
-        if len(bucket.segments) == 1:
-            ti, s, e = bucket.segments[0]
-            a, b = src[ti].detach(), dst[ti].detach()
-            if a.dtype in _NATIVE and a.device.type == "cpu" and b.device.type == "cpu":
-                # Zero-copy: MPI reads and writes the tensors' own memory.
-                send = a.view(-1)[s:e].numpy()
-                recv = b.view(-1)[s:e].numpy()
-                comm.Allreduce(MPI.IN_PLACE if a.data_ptr() == b.data_ptr() else send, recv, MPI.SUM)
-                return
-        dtypes = {src[ti].dtype for ti, _, _ in bucket.segments}
-        if len(dtypes) > 1:
-            # Mixed dtypes in one bucket: reduce segment-wise through per-dtype staging.
-            for seg in bucket.segments:
-                self._reduce_bucket(comm, Bucket([seg], seg[2] - seg[1]), src, dst)
-            return
-        dtype = dtypes.pop()
-        stage = torch.empty(bucket.numel, dtype=_WIDEN.get(dtype, dtype))
-        off = 0
-        for ti, s, e in bucket.segments:
-            stage[off : off + e - s].copy_(src[ti].detach().reshape(-1)[s:e])
-            off += e - s
-        comm.Allreduce(MPI.IN_PLACE, stage.numpy(), MPI.SUM)
-        off = 0
-        for ti, s, e in bucket.segments:
-            dst[ti].detach().view(-1)[s:e].copy_(stage[off : off + e - s])
-            off += e - s
 
     def agree(self, flag: bool = True) -> bool:
         """Fault-tolerant AND of ``flag`` over the survivors; ``False`` everywhere if anyone died meanwhile."""
@@ -544,6 +620,7 @@ class FaultTolerantComm:
             # Fence only ranks MPI declared dead; a live partner of an incomplete replica
             # leaves through the gate on its own.
             self._fence(sorted(before - set(present)))
+            self._open_plane()
             return RepairResult(self.world_epoch, lost, lost_replicas, self.alive_replicas, time.perf_counter() - t0, rounds)
         raise RuntimeError(f"repair did not converge in {max_rounds} rounds; the job cannot continue")
 
@@ -564,8 +641,11 @@ class FaultTolerantComm:
                 )
 
     def free(self) -> None:
-        """Free the world and shard communicators (end of job; see lifecycle.end_job)."""
+        """Close the data plane, free the world and shard communicators (end of job; see lifecycle.end_job)."""
         MPI = _mpi()
+        for plane in (self.data_plane, self._world_plane):
+            if plane is not None:
+                plane.close()
         for comm in (self.shard_comm, self.world):
             try:
                 comm.Free()

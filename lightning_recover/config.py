@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 __all__ = [
+    "DATA_PLANES",
     "DEFAULT_BUCKET_MB",
     "POLICY_NAMES",
     "CheckpointConfig",
@@ -40,6 +41,8 @@ __all__ = [
 
 # Workload policies by config name (built by lightning_recover.policy.make_policy).
 POLICY_NAMES: tuple[str, ...] = ("static", "adaptive")
+# Transports of the cross-replica gradient buckets (lightning_recover.data_plane); the first is the default.
+DATA_PLANES: tuple[str, ...] = ("mpi", "gloo", "nccl")
 # Gradient bucket of the cross-replica reduction, MiB (4 MiB = communicator.DEFAULT_BUCKET_BYTES).
 DEFAULT_BUCKET_MB = 4.0
 
@@ -202,10 +205,15 @@ class RecoverConfig:
             ablation, which has no spares, so T must be all replicas).
         min_replicas: stop with a clear error when fewer replicas are alive.
         bucket_mb: gradient bucket size (MiB) of the cross-replica reduction.
+        data_plane: what carries those buckets (:mod:`lightning_recover.data_plane`): "mpi"
+            (ULFM MPI itself), "gloo" (a torch.distributed gloo group per world epoch; CPU)
+            or "nccl" (an NCCL group per world epoch; CUDA only). ULFM MPI stays the
+            control plane (failure detection, agreement, membership) in every case.
         ledger_path: JSON-lines step ledger written by the current leader; None = no
             ledger. ``os.PathLike`` is accepted and stored as ``str``.
         seed: seeds the sample order and the per-microbatch RNG.
-        timeout_s: timeout of the replica-local process group (seconds).
+        timeout_s: timeout of the replica-local process group (seconds); also how long the
+            gloo/nccl data plane waits for a slow peer when no failure is seen.
         hang_timeout_s: a rank whose heartbeat stops this long is killed and its replica
             removed. None = the launcher's ``--hang-timeout`` (else 10 s); 0 = off.
         stuck_timeout_s: also kill a rank making no progress inside a step's compute for
@@ -239,6 +247,7 @@ class RecoverConfig:
     policy: str = "static"
     min_replicas: int = 1
     bucket_mb: float = DEFAULT_BUCKET_MB
+    data_plane: str = "mpi"
     ledger_path: str | None = None
     seed: int = 0
     timeout_s: float = 60.0
@@ -271,6 +280,11 @@ class RecoverConfig:
         _set(self, "min_replicas", _integer("min_replicas", self.min_replicas, 1, min_fix))
         bucket_fix = "set recover.bucket_mb to the MiB per gradient bucket (e.g. 4)"
         _set(self, "bucket_mb", _number("bucket_mb", self.bucket_mb, bucket_fix, positive=True, finite=True, requirement="a positive number"))
+        if not isinstance(self.data_plane, str) or self.data_plane not in DATA_PLANES:
+            raise _refuse(
+                "data_plane", self.data_plane, " or ".join(repr(p) for p in DATA_PLANES),
+                "set recover.data_plane=mpi (the default), gloo (torch.distributed on CPU) or nccl (CUDA)",
+            )
         ledger_fix = "set recover.ledger_path to a file path, or null for no ledger"
         _set(self, "ledger_path", _path("ledger_path", self.ledger_path, ledger_fix))
         _set(self, "seed", _integer("seed", self.seed, 0, "set the seed to a non-negative integer"))

@@ -92,9 +92,16 @@ def run_mpi(nprocs: int, args: list[str], outdir: Path, **options: Any) -> MPIJo
     return job
 
 
-def train_worker(nprocs: int, outdir: Path, argv: list[str], faults: list[dict], timeout: float = 240) -> MPIJob:
-    """``tests/workers/train_worker.py ARGV --faults FAULTS`` on ``nprocs`` ranks."""
-    return run_mpi(nprocs, ["tests/workers/train_worker.py", *argv, "--faults", json.dumps(faults)], outdir, timeout=timeout)
+def train_worker(
+    nprocs: int, outdir: Path, argv: list[str], faults: list[dict], timeout: float = 240, data_plane: str | None = None
+) -> MPIJob:
+    """``tests/workers/train_worker.py ARGV --faults FAULTS`` on ``nprocs`` ranks.
+
+    ``data_plane`` sets recover.data_plane; None leaves train_worker's default, which is
+    ``$RECOVER_TEST_DATA_PLANE`` (``RECOVER_TEST_DATA_PLANE=gloo python -m pytest ...`` runs
+    every launched train_worker job over the gloo data plane), else mpi."""
+    plane = ["--data-plane", data_plane] if data_plane is not None else []
+    return run_mpi(nprocs, ["tests/workers/train_worker.py", *argv, *plane, "--faults", json.dumps(faults)], outdir, timeout=timeout)
 
 
 def ledger_lines(job: MPIJob) -> list[dict]:

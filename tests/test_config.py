@@ -47,6 +47,9 @@ def refused(**kwargs: Any) -> str:
         ("bucket_mb", math.inf, ["recover.bucket_mb=inf"]),
         ("bucket_mb", math.nan, ["recover.bucket_mb=nan"]),
         ("bucket_mb", "4", ["recover.bucket_mb='4'"]),
+        ("data_plane", "ucx", ["data_plane must be 'mpi' or 'gloo' or 'nccl', got 'ucx'", "recover.data_plane='ucx'", "set recover.data_plane=mpi (the default), gloo"]),
+        ("data_plane", "Gloo", ["recover.data_plane='Gloo'"]),
+        ("data_plane", None, ["data_plane must be 'mpi' or 'gloo' or 'nccl', got None"]),
         ("ledger_path", "", ["ledger_path must be a non-empty path or null, got ''", "set recover.ledger_path to a file path, or null for no ledger"]),
         ("ledger_path", 3, ["ledger_path must be a path or null, got 3"]),
         ("seed", -1, ["seed must be >= 0, got -1", "recover.seed=-1", "non-negative integer"]),
@@ -121,7 +124,7 @@ def test_values_are_normalised(tmp_path: Path) -> None:
 def test_defaults_and_frozen() -> None:
     config = RecoverConfig()
     assert (config.shards, config.grad_accum, config.target_replicas, config.policy, config.min_replicas) == (1, 1, None, "static", 1)
-    assert (config.bucket_mb, config.ledger_path, config.seed, config.timeout_s) == (4.0, None, 0, 60.0)
+    assert (config.bucket_mb, config.data_plane, config.ledger_path, config.seed, config.timeout_s) == (4.0, "mpi", None, 0, 60.0)
     assert (config.hang_timeout_s, config.stuck_timeout_s, config.checkpoint) == (None, None, CheckpointConfig())
     assert config.bucket_bytes == 4 * 1024 * 1024
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -159,6 +159,11 @@ def test_target_replicas_above_replicas_refused(data: ByteDataset) -> None:
         fit(ReCoVerHSDPStrategy(target_replicas=2), data)
 
 
+def test_nccl_data_plane_refused_without_cuda(data: ByteDataset) -> None:
+    with pytest.raises(ConfigurationError, match=r"recover.data_plane=nccl needs the gradients on CUDA.*recover.data_plane=gloo or mpi"):
+        fit(ReCoVerHSDPStrategy(data_plane="nccl"), data)
+
+
 def test_iterable_dataset_with_len_refused() -> None:
     class SizedStream(IterableDataset):
         def __len__(self) -> int:

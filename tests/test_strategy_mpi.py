@@ -131,6 +131,38 @@ def test_kills_in_each_phase_4x1(tmp_path: Path, fault_free: dict[str, MPIJob], 
     print(f"4x1 {phases}: recovery pauses {ledger[1]['recovery_s']:.3f}s, {ledger[2]['recovery_s']:.3f}s")
 
 
+@pytest.mark.parametrize(
+    ("topology", "faults", "lost"),
+    [
+        # 2x2: rank 2 dies in the middle of the reduce (buckets 0-4 done, then stale); its
+        # replica-mate leaves through the gate; each shard index has its own gloo group.
+        ("2x2", [{"step": 1, "rank": 2, "phase": "reduce", "bucket": 5, "kind": "kill"}], {1: [1]}),
+        # 4x1: the leader (the host of the groups' store) dies mid-reduce; then rank 2 is
+        # SIGSTOPped before a bucket while the others wait inside gloo, where no MPI revoke
+        # reaches them: the hang watchdog kills it, ULFM notices, the group is abandoned.
+        ("4x1", [{"step": 1, "rank": 0, "phase": "reduce", "bucket": 5, "kind": "kill"},
+                 {"step": 2, "rank": 2, "phase": "reduce", "bucket": 3, "kind": "hang"}], {1: [0], 2: [2]}),
+    ],
+)
+def test_gloo_data_plane_recovers_on_the_fault_free_trajectory(
+    tmp_path: Path, fault_free: dict[str, MPIJob], topology: str, faults: list[dict], lost: dict[int, list[int]]
+) -> None:
+    n, args = TOPOLOGIES[topology]
+    argv = [WORKER, "--steps", str(STEPS), *args, "--data-plane", "gloo", "--faults", json.dumps(faults)]
+    job = run_mpi(n, argv, tmp_path, timeout=240, hang_timeout=4)
+    assert (tmp_path / "ledger.jsonl").exists(), job.describe()
+    ledger = check_recovered_run(job, fault_free[topology], expect_faults=sum(len(v) for v in lost.values()))
+    assert {i: line["faults"] for i, line in enumerate(ledger) if line["faults"]} == lost
+    results = job.results()
+    # The last world epoch's gloo group carried the buckets on every survivor.
+    assert all(r["data_plane"] == "gloo" and r["data_plane_buckets"] > 0 for r in results.values()), results
+    assert {r["epoch"] for r in results.values()} == {len(lost)}
+    if any(f["kind"] == "hang" for f in faults):
+        assert "killing rank 2" in job.stderr, job.describe()
+    else:
+        assert "replica-consistency gate" in job.stderr, job.describe()
+
+
 def test_spare_absorbs_a_contributor_loss(tmp_path: Path, fault_free: dict[str, MPIJob]) -> None:
     # 5 replicas, target 4: B = 8 as in the 4x1 fault-free run, replica 4 shadows replica 0.
     job = launch(tmp_path, 5, ["--target", "4"], [{"step": 1, "rank": 0, "phase": "backward", "kind": "kill"}])

@@ -66,6 +66,7 @@ from lightning_recover.callbacks.checkpoint import is_fallback
 from lightning_recover.communicator import FaultTolerantComm
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.data import MicrobatchSource, StepTicket, TicketLoader
+from lightning_recover.data_plane import check_data_plane
 from lightning_recover.ledger import LeaderLedger
 from lightning_recover.loading import EnginePlan, MicrobatchFeed
 from lightning_recover.loggers import LeaderLogs
@@ -137,7 +138,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     """HSDP with in-place recovery from replica failures; see the module docstring.
 
     Pass ``config=RecoverConfig(...)`` or its fields as keywords (``shards``,
-    ``grad_accum``, ``target_replicas``, ``policy``, ``min_replicas``, ``bucket_mb``,
+    ``grad_accum``, ``target_replicas``, ``policy``, ``min_replicas``, ``bucket_mb``, ``data_plane``,
     ``ledger_path``, ``seed``, ``timeout_s``, ``hang_timeout_s``, ``stuck_timeout_s``, and
     ``checkpoint_dir`` / ``checkpoint_every_n_steps`` / ``checkpoint_async_save`` / ``checkpoint_consolidate`` for ``checkpoint``,
     ``sdc_every_n_steps`` / ``sdc_action`` for ``sdc``, ``rejoin`` and its ``rejoin_*`` settings); every setting is
@@ -316,8 +317,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             lifecycle.warn_single_replica()
         self._refuse_several_devices()
         self.config.check_world(MPI.COMM_WORLD.Get_size())
+        check_data_plane(self.config.data_plane, self.root_device.type)
         self.layout = RankLayout(MPI.COMM_WORLD.Get_size(), self.config.shards)
-        self.comm = FaultTolerantComm(self.layout, bucket_bytes=self.bucket_bytes)
+        self.comm = FaultTolerantComm(
+            self.layout, bucket_bytes=self.bucket_bytes, data_plane=self.config.data_plane, plane_timeout_s=self.config.timeout_s
+        )
         # The script's end runs `shutdown()` by itself at interpreter exit; no call needed.
         lifecycle.start_rank(self.comm.rank, self.layout.world_size, end_of_job=self.shutdown)
         self._start_protocol()
@@ -380,8 +384,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
         lifecycle.install_crash_hook(joining.rank)
         self._refuse_several_devices()
+        check_data_plane(self.config.data_plane, self.root_device.type)
         self.layout = layout = RankLayout(int(joining.seat.context["world_size"]), self.config.shards)
-        self.comm = FaultTolerantComm.joiner(layout, joining.rank, bucket_bytes=self.bucket_bytes)
+        self.comm = FaultTolerantComm.joiner(
+            layout, joining.rank, bucket_bytes=self.bucket_bytes, data_plane=self.config.data_plane, plane_timeout_s=self.config.timeout_s
+        )
         self._joining = joining
         # The replica-local group among this replica's replacements (all spawned together).
         mates = joining.children.Split(layout.replica_of(joining.rank), layout.shard_of(joining.rank))

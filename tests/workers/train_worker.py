@@ -66,6 +66,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--replica-group", action="store_true",
                     help="training_step runs torch.distributed collectives over strategy.replica_group once per step; "
                     "each rank writes what it got to collectives{RANK}.jsonl")
+    ap.add_argument("--data-plane", default=os.environ.get("RECOVER_TEST_DATA_PLANE", "mpi"),
+                    help="recover.data_plane (default: $RECOVER_TEST_DATA_PLANE, else mpi)")
     ap.add_argument("--slow-while-degraded", type=float, default=0.0, metavar="SECONDS",
                     help="every rank sleeps this long after each step while replicas are missing (lets replacements start on 2 cores)")
     ap.add_argument("--no-overlap", action="store_true", help="recover.overlap=false")
@@ -230,6 +232,7 @@ def main() -> None:
         rejoin=args.rejoin, rejoin_backoff_s=0.5, rejoin_timeout_s=60.0, rejoin_hosts=args.rejoin_hosts,
         rejoin_attempts=args.rejoin_attempts, sdc_every_n_steps=args.sdc_every, sdc_action=args.sdc_action,
         overlap=not args.no_overlap, sync_every_microbatch=args.sync_every_microbatch,
+        data_plane=args.data_plane,
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,
@@ -265,6 +268,9 @@ def main() -> None:
         "rank": comm.rank, "replica": comm.replica, "epoch": comm.world_epoch, "alive": list(comm.alive_replicas),
         "global_step": trainer.global_step, "leader": strategy.global_rank == 0, "last": strategy.last_record,
         "samples_seen": float(model.samples_seen.compute()),
+        # The final world epoch's data plane: which one, and how many buckets it carried.
+        "data_plane": comm.data_plane.kind if comm.data_plane else None,
+        "data_plane_buckets": comm.data_plane.reductions if comm.data_plane else 0,
     }
     sdc = [cb for cb in trainer.callbacks if isinstance(cb, CorruptionCheck)]
     if sdc:
