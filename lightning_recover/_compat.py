@@ -33,6 +33,7 @@ TORCH_APIS: dict[str, str] = {
     "torch.distributed.fsdp.FSDPModule": "2.6",
     "torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor": "2.8",
     "torch.distributed.fsdp.FSDPModule.set_force_sum_reduction_for_comms": "2.8",
+    "torch.distributed.fsdp.FSDPModule.set_requires_gradient_sync": "2.6",
     "torch.distributed.device_mesh.init_device_mesh": "2.2",
     "torch.distributed.device_mesh.DeviceMesh": "2.2",
     "torch.distributed.tensor.DTensor": "2.5",
