@@ -37,7 +37,7 @@ Results go to ``benchmarks/results/overhead.json``; the last line printed is the
 headline ``ReCoVer/stock step time: 0.93x [95% CI 0.90-0.97] (2x2), ...; peak memory per rank:
 1.02x (2x2), ...``. Each rank also records its peak resident memory (``rss<rank>.json``); the
 table shows the largest rank's, per system. ``--ablation`` also times ReCoVer without the
-overlap and with a reduce-scatter after every microbatch (the two settings issue 14 added).
+overlap, with a reduce-scatter after every microbatch, and with the gloo data plane.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ LAYOUTS = {"2x2": 2, "4x1": 1}  # name -> shards (world is always 4 ranks)
 SYSTEM_ARGS = {
     "recover-no-overlap": ["--system", "recover", "--no-overlap"],
     "recover-sync-every-mb": ["--system", "recover", "--sync-every-microbatch"],
+    "recover-gloo-plane": ["--system", "recover", "--data-plane", "gloo"],
+    "recover-bucket-0.5mb": ["--system", "recover", "--bucket-mb", "0.5"],
+    "recover-bucket-1mb": ["--system", "recover", "--bucket-mb", "1"],
 }
 
 
@@ -78,8 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--naive", action="store_true", help="also time stock-naive (gradient sync on every microbatch)")
     p.add_argument("--ddp", action="store_true", help="also time Lightning DDPStrategy (4x1 only)")
+    p.add_argument("--systems", nargs="+", default=None, choices=["recover", "stock", *SYSTEM_ARGS],
+                   help="time exactly these systems (overrides --naive/--ddp/--ablation; keep recover and stock for the ratios)")
     p.add_argument("--ablation", action="store_true",
-                   help="also time ReCoVer without overlap and with a reduce-scatter after every microbatch")
+                   help="also time ReCoVer without overlap, with a reduce-scatter after every microbatch, and on the gloo data plane")
     p.add_argument("--quiet-wait", type=float, default=5.0,
                    help="before each job wait up to this many seconds for other work on the machine to stop")
     p.add_argument("--timeout", type=float, default=240, help="hard timeout per launched job, seconds")
@@ -219,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--warmup {args.warmup} leaves too few of --steps {args.steps}; use steps >= warmup + 3")
     systems = (["recover", "stock"] + (["stock-naive"] if args.naive else []) + (["ddp"] if args.ddp else [])
                + (list(SYSTEM_ARGS) if args.ablation else []))
+    if args.systems:
+        systems = list(dict.fromkeys(["recover", "stock", *args.systems]))
     work = Path(tempfile.mkdtemp(prefix="lr-overhead-"))
     order = [(lay, sy) for lay in args.layouts for sy in systems if not (sy == "ddp" and LAYOUTS[lay] != 1)]
     runs: list[dict] = []
