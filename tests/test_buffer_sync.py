@@ -170,3 +170,26 @@ def test_sharded_dtensor_buffers_go_across_replicas_only() -> None:
         assert m.split.to_local().tolist() == [0.0] * 4 and m.plain.tolist() == [0.0] * 3
     finally:
         dist.destroy_process_group()
+
+
+def test_unchanged_buffers_cost_no_collective_unless_some_rank_voted_for_one() -> None:
+    from types import SimpleNamespace
+
+    strategy = _Strategy(Recorder(), 4)
+    trainer, m, cb = _Trainer(strategy), model(0), BufferSync()
+
+    def step(others_changed: float) -> float:
+        st = SimpleNamespace(votes={}, vote_totals={})
+        cb.on_before_reduce(trainer, m, st)  # type: ignore[arg-type]
+        mine = st.votes["buffers_changed"]
+        st.vote_totals = {"buffers_changed": mine + others_changed}  # the step's head reduction sums the votes
+        cb.on_before_commit(trainer, m, st)  # type: ignore[arg-type]
+        cb.on_step_committed(trainer, m, {"step": 0})
+        return mine
+
+    assert step(0.0) == 1.0 and strategy.collectives == 1  # never synced yet: sync
+    assert step(0.0) == 0.0 and strategy.collectives == 1 and cb.last_bytes == 0  # nobody changed anything
+    assert step(2.0) == 0.0 and strategy.collectives == 2  # two other ranks' buffers moved: everyone syncs
+    next(iter(m.buffers())).add_(1)
+    assert step(0.0) == 1.0 and strategy.collectives == 3  # this rank's moved
+    assert step(0.0) == 0.0 and strategy.collectives == 3

@@ -21,6 +21,11 @@ broadcast completed.
 * Bytes are copied, never reduced: every rank ends bitwise equal to the leader.
 * Parameters, gradients, the reduction and the RNG are never touched, and a model without
   buffers (or a one-rank job) costs nothing: no collective at all.
+* Buffers no rank changed cost nothing either. Before the step's reduction each rank votes
+  whether its buffers differ from what the last sync left (a bit-exact print); the votes
+  are summed with the step's loss, so every rank decides alike, and when none moved there
+  is no broadcast and no agreement (a constant causal mask, frozen statistics). A buffer
+  changed only in backward is synced one step later, with the next vote.
 * FSDP2 does not shard buffers: every shard rank holds each one whole, so one broadcast
   across the world serves replicas and shard ranks alike. A buffer that the user made a
   sharded DTensor (in ``configure_model``) differs between shard ranks by design; its
@@ -37,6 +42,8 @@ import torch
 from typing_extensions import override
 
 from lightning_recover.callbacks.base import RecoveryCallback
+from lightning_recover.corruption import Fingerprint, fingerprint
+from lightning_recover.recovery.state import StepState
 
 # Each buffer starts at a multiple of this many bytes in the packed message, so the bytes
 # can be viewed as any dtype again (complex128 is the widest element: 16 bytes).
@@ -127,12 +134,39 @@ class BufferSync(RecoveryCallback):
         self.enabled = enabled
         #: Bytes broadcast after the last committed step (0: nothing to send).
         self.last_bytes = 0
+        # The buffers' print right after the last sync (None: never synced on this rank), and
+        # whether any rank's buffers moved since, as the step's vote said.
+        self._synced: Fingerprint | None = None
+        self._changed = True
+
+    @override
+    def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
+        # Buffers move in forward, and every planned forward has run by now (an overlapped
+        # round starts at the last backward). A constant buffer (a causal mask) then costs
+        # no broadcast and no agreement: the vote rides on the step's own loss reduction.
+        if self._active(trainer, pl_module):
+            step.votes["buffers_changed"] = float(self._synced is None or self._print(pl_module) != self._synced)
+
+    @override
+    def on_before_commit(self, trainer: Any, pl_module: Any, step: StepState) -> None:
+        self._changed = step.vote_totals.get("buffers_changed", 1.0) > 0
 
     @override
     def on_step_committed(self, trainer: Any, pl_module: Any, record: dict[str, Any]) -> None:
-        strategy = trainer.strategy
-        comm, engine = getattr(strategy, "comm", None), getattr(strategy, "engine", None)
-        if not self.enabled or comm is None or engine is None or pl_module is None or strategy.world_size == 1:
+        if not self._active(trainer, pl_module) or not self._changed:
             self.last_bytes = 0
             return
-        self.last_bytes = broadcast_buffers(pl_module, comm, engine.run_collective)
+        self.last_bytes = broadcast_buffers(pl_module, trainer.strategy.comm, trainer.strategy.engine.run_collective)
+        self._synced = self._print(pl_module)
+
+    def _active(self, trainer: Any, pl_module: Any) -> bool:
+        strategy = trainer.strategy
+        return bool(
+            self.enabled and getattr(strategy, "comm", None) is not None and getattr(strategy, "engine", None) is not None
+            and pl_module is not None and strategy.world_size > 1
+        )
+
+    @staticmethod
+    def _print(module: torch.nn.Module) -> Fingerprint:
+        whole, sharded = _by_reach(module)
+        return fingerprint(whole + sharded)

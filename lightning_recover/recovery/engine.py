@@ -241,7 +241,8 @@ class StepEngine:
             mine = st.mine
             owned = mine.ids if mine.contributes else ()
             keys = step_values.keys_of(st.logged)
-            head_in = step_values.header(sum(st.losses[i] for i in owned), len(owned), keys)
+            votes = sorted(st.votes)
+            head_in = step_values.header(sum(st.losses[i] for i in owned), len(owned), keys, [st.votes[k] for k in votes])
             head_out = torch.empty_like(head_in)
             logged_in = step_values.payload(st.logged, owned, keys)
             logged_out = torch.empty_like(logged_in)
@@ -281,6 +282,7 @@ class StepEngine:
             st.pauses.append(time.perf_counter() - failed_at)
         st.loss = float(head_out[0]) / max(1.0, float(head_out[1]))
         st.logged_totals = step_values.unpack(logged_out, keys)
+        st.vote_totals = {k: float(v) for k, v in zip(votes, head_out[5:])}
         # Constant divisor: B microbatches (times the shards, whose FSDP reduce-scatter sums),
         # never the number of survivors.
         divisor = st.plan.divisor * self.shards

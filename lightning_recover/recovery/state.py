@@ -88,6 +88,10 @@ class StepState:
     inflight: Any = None
     #: The first round did start during the last backward (the ledger's ``overlapped``).
     overlapped: bool = False
+    #: Set by ``on_before_reduce`` callbacks on every rank (the same keys everywhere): numbers
+    #: summed over every live rank with the step's loss; the sums are in ``vote_totals`` at commit.
+    votes: dict[str, float] = field(default_factory=dict)
+    vote_totals: dict[str, float] = field(default_factory=dict)
 
     @property
     def mine(self) -> ReplicaPlan:
