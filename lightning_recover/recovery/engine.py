@@ -199,13 +199,9 @@ class StepEngine:
         st = self.state
         if st is None or st.inflight is None:
             return
-        j = self.plane_index(index)
-        if st.mine.contributes:
-            st.local[index] = tensor
-            st.inflight.mark_ready(j, tensor)
-        else:
-            st.local[index] = tensor
-            st.inflight.mark_ready(j)  # a spare sends zeros; its gradient only stays for a promotion
+        st.local[index] = tensor
+        # A spare sends zeros (its output, in place); its gradient only stays for a promotion.
+        st.inflight.mark_ready(self.plane_index(index), tensor if st.mine.contributes else None)
 
     def _prepare_reduction(self, runner: MicrobatchRunner) -> None:
         st = self._current()
