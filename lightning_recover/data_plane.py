@@ -191,15 +191,7 @@ def _scatter(segs: Sequence[tuple[int, int, int]], stage: torch.Tensor, dst: Seq
 
 # ---------------------------------------------------------------------- MPI
 class MPIDataPlane(DataPlane):
-    """``MPI_Allreduce`` over one communicator (the shard communicator, or the world for ``across="world"``).
-
-    On a host with more ranks than cores each reduction is issued non-blocking and waited
-    for with a test-then-sleep loop instead of MPI's busy wait: a rank that reached the
-    reduction first (often while its peer replica still runs backward) then leaves the
-    shared cores to the ranks still computing -- the same judgement as Open MPI's own
-    ``mpi_yield_when_idle``, which it turns on when oversubscribed, but with the core
-    actually given up. With a core per rank the plain blocking call is used.
-    """
+    """``MPI_Allreduce`` over one communicator (the shard communicator, or the world for ``across="world"``)."""
 
     kind = "mpi"
 
@@ -208,7 +200,6 @@ class MPIDataPlane(DataPlane):
         self.comm = comm
         # FaultTolerantComm._fail: an MPI error is a peer failure only if its class says so or a death is known.
         self._fail = fail
-        self._sleep_wait = oversubscribed()
 
     def reduce(self, bucket: Bucket, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], where: str) -> None:
         from mpi4py import MPI
@@ -222,6 +213,7 @@ class MPIDataPlane(DataPlane):
     def _reduce(self, bucket: Bucket, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
         from mpi4py import MPI
 
+        comm = self.comm
         if len(bucket.segments) == 1:
             ti, s, e = bucket.segments[0]
             a, b = src[ti].detach(), dst[ti].detach()
@@ -229,7 +221,7 @@ class MPIDataPlane(DataPlane):
                 # Zero-copy: MPI reads and writes the tensors' own memory.
                 send = a.view(-1)[s:e].numpy()
                 recv = b.view(-1)[s:e].numpy()
-                self._allreduce(MPI.IN_PLACE if a.data_ptr() == b.data_ptr() else send, recv)
+                comm.Allreduce(MPI.IN_PLACE if a.data_ptr() == b.data_ptr() else send, recv, MPI.SUM)
                 return
         dtypes = {src[ti].dtype for ti, _, _ in bucket.segments}
         if len(dtypes) > 1:
@@ -240,42 +232,8 @@ class MPIDataPlane(DataPlane):
         dtype = dtypes.pop()
         stage = torch.empty(bucket.numel, dtype=WIDEN.get(dtype, dtype))
         _gather(bucket.segments, src, stage)
-        self._allreduce(MPI.IN_PLACE, stage.numpy())
+        comm.Allreduce(MPI.IN_PLACE, stage.numpy(), MPI.SUM)
         _scatter(bucket.segments, stage, dst)
-
-    def _allreduce(self, send: Any, recv: Any) -> None:
-        from mpi4py import MPI
-
-        if not self._sleep_wait:
-            self.comm.Allreduce(send, recv, MPI.SUM)
-            return
-        request = self.comm.Iallreduce(send, recv, MPI.SUM)
-        tests, pause = 0, 0.0
-        while not request.Test():  # raises MPI.Exception like the blocking call (ERRORS_RETURN)
-            tests += 1
-            if tests > _SPIN_TESTS:
-                time.sleep(pause)
-                pause = min(_MAX_PAUSE_S, max(_MIN_PAUSE_S, 2 * pause))
-
-
-# Test-then-sleep waiting: a few tests first (a peer already there completes in microseconds),
-# then pauses doubling up to half a millisecond (the latency added once the peer arrives).
-_SPIN_TESTS = 50
-_MIN_PAUSE_S = 2e-5
-_MAX_PAUSE_S = 5e-4
-
-
-def oversubscribed() -> bool:
-    """Whether this host runs more of the job's ranks than this process may use cores.
-
-    Open MPI tells each rank how many ranks share its host (``OMPI_COMM_WORLD_LOCAL_SIZE``);
-    the host's cores are ``os.cpu_count()`` (not this process's affinity: a rank bound to one
-    core of a large host is not oversubscribed). Unknown (another launcher): False.
-    """
-    local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    if not local or not local.isdigit():
-        return False
-    return int(local) > (os.cpu_count() or 1)
 
 
 # ---------------------------------------------------------------------- a plane whose set-up failed

@@ -265,15 +265,3 @@ def test_the_communicator_refuses_an_unknown_data_plane() -> None:
 
     with pytest.raises(ValueError, match="data_plane must be one of mpi, gloo, nccl, got 'tcp'"):
         FaultTolerantComm(data_plane="tcp")
-
-
-def test_oversubscribed_compares_the_hosts_ranks_with_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_recover.data_plane import oversubscribed
-
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
-    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
-    assert oversubscribed()
-    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
-    assert not oversubscribed()
-    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE")
-    assert not oversubscribed()  # not launched by Open MPI: the plain blocking wait
