@@ -408,7 +408,8 @@ class ProcessGroupULFM(dist.ProcessGroup):
 
     def _unsupported(self, *args: Any, **kwargs: Any) -> dist.Work:
         raise NotImplementedError(
-            "the ulfm replica group supports all_reduce, all_gather, all_gather_into_tensor, broadcast and barrier"
+            "the ulfm replica group supports all_reduce, all_gather, all_gather_into_tensor, broadcast and barrier; "
+            "express reduce/scatter/reduce_scatter/all_to_all with those (e.g. all_reduce, then take your slice)"
         )
 
     reduce = gather = scatter = reduce_scatter = _reduce_scatter_base = alltoall = alltoall_base = _unsupported
