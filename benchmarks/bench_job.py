@@ -84,6 +84,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sdc-every", type=int, default=0, help="recover: silent-data-corruption check every N steps (0 = off)")
     ap.add_argument("--bucket-mb", type=float, default=None, help="recover: recover.bucket_mb (default: the strategy's)")
     ap.add_argument("--data-plane", default="mpi", help="recover: recover.data_plane (mpi, gloo)")
+    ap.add_argument("--replica-plane", default="auto", help="recover: recover.replica_plane (auto, mpi, torch)")
     ap.add_argument("--no-overlap", action="store_true", help="recover: recover.overlap=false (reduce after backward)")
     ap.add_argument("--sync-every-microbatch", action="store_true", help="recover: reduce-scatter inside a replica after every microbatch")
     ap.add_argument("--kills", default="[]", help='cr: JSON list of {"step": t, "rank": r}')
@@ -263,7 +264,7 @@ def main() -> None:
                                        ledger_path=args.out / "ledger.jsonl", seed=args.seed,
                                        rejoin=args.rejoin, rejoin_backoff_s=1.0, sdc_every_n_steps=args.sdc_every,
                                        overlap=not args.no_overlap, sync_every_microbatch=args.sync_every_microbatch,
-                                       data_plane=args.data_plane,
+                                       data_plane=args.data_plane, replica_plane=args.replica_plane,
                                        **({} if args.bucket_mb is None else {"bucket_mb": args.bucket_mb}))
         trainer = L.Trainer(devices=1, strategy=strategy, enable_checkpointing=False,
                             callbacks=[clock, FaultInjection(json.loads(args.faults))], **common)

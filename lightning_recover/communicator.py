@@ -105,7 +105,7 @@ def _mpi() -> ModuleType:
 
 
 @functools.cache
-def _failure_classes() -> frozenset[int]:
+def failure_classes() -> frozenset[int]:
     """MPI error classes that mean "a peer died" (or a communicator was revoked because one did)."""
     MPI = _mpi()
     return frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
@@ -363,7 +363,7 @@ class FaultTolerantComm:
         try:
             self.world.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
         except MPI.Exception as exc:
-            if exc.Get_error_class() in _failure_classes():
+            if exc.Get_error_class() in failure_classes():
                 return True
             raise
         if self.world.Is_revoked() or self.shard_comm.Is_revoked():
@@ -374,7 +374,7 @@ class FaultTolerantComm:
     def _fail(self, where: str, exc: MPI.Exception) -> PeerFailure:
         """Turn an MPI error into PeerFailure: revoke so blocked peers are released, apply the gate."""
         cls = exc.Get_error_class()
-        if cls not in _failure_classes() and not self.known_failed():
+        if cls not in failure_classes() and not self.known_failed():
             # Open MPI sometimes reports a peer death as ERR_OTHER; only a known failure makes it one.
             raise exc
         return self._peer_failure(where, cls, f"MPI error during {where}")
@@ -500,7 +500,7 @@ class FaultTolerantComm:
         try:
             return bool(self.world.Agree(int(bool(flag))))
         except MPI.Exception as exc:
-            if exc.Get_error_class() not in _failure_classes():
+            if exc.Get_error_class() not in failure_classes():
                 raise
             # ULFM raises PROC_FAILED from Agree uniformly, so returning False is uniform too.
             try:

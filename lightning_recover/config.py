@@ -43,6 +43,8 @@ __all__ = [
 POLICY_NAMES: tuple[str, ...] = ("static", "adaptive")
 # Transports of the cross-replica gradient buckets (lightning_recover.data_plane); the first is the default.
 DATA_PLANES: tuple[str, ...] = ("mpi", "gloo", "nccl")
+# Transports of FSDP2's collectives inside a replica (lightning_recover.strategies.replica_plane).
+REPLICA_PLANES: tuple[str, ...] = ("auto", "mpi", "torch")
 # Gradient bucket of the cross-replica reduction, MiB (4 MiB = communicator.DEFAULT_BUCKET_BYTES).
 DEFAULT_BUCKET_MB = 4.0
 
@@ -209,6 +211,11 @@ class RecoverConfig:
             (ULFM MPI itself), "gloo" (a torch.distributed gloo group per world epoch; CPU)
             or "nccl" (an NCCL group per world epoch; CUDA only). ULFM MPI stays the
             control plane (failure detection, agreement, membership) in every case.
+        replica_plane: what carries FSDP2's all-gathers and reduce-scatters *inside* a
+            replica (:mod:`~.strategies.replica_plane`): "mpi" (Open MPI's shared memory
+            and network transports, CPU only), "torch" (torch's replica-local group: gloo
+            on CPU, NCCL on CUDA) or "auto" (default: "mpi" on CPU with the MPI data
+            plane, else "torch").
         ledger_path: JSON-lines step ledger written by the current leader; None = no
             ledger. ``os.PathLike`` is accepted and stored as ``str``.
         seed: seeds the sample order and the per-microbatch RNG.
@@ -248,6 +255,7 @@ class RecoverConfig:
     min_replicas: int = 1
     bucket_mb: float = DEFAULT_BUCKET_MB
     data_plane: str = "mpi"
+    replica_plane: str = "auto"
     ledger_path: str | None = None
     seed: int = 0
     timeout_s: float = 60.0
@@ -284,6 +292,11 @@ class RecoverConfig:
             raise _refuse(
                 "data_plane", self.data_plane, " or ".join(repr(p) for p in DATA_PLANES),
                 "set recover.data_plane=mpi (the default), gloo (torch.distributed on CPU) or nccl (CUDA)",
+            )
+        if not isinstance(self.replica_plane, str) or self.replica_plane not in REPLICA_PLANES:
+            raise _refuse(
+                "replica_plane", self.replica_plane, " or ".join(repr(p) for p in REPLICA_PLANES),
+                "set recover.replica_plane=auto (the default), mpi (CPU) or torch",
             )
         ledger_fix = "set recover.ledger_path to a file path, or null for no ledger"
         _set(self, "ledger_path", _path("ledger_path", self.ledger_path, ledger_fix))

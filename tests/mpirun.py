@@ -66,8 +66,14 @@ def _run_once(
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+        # SIGTERM first: the launcher forwards it to mpiexec's own session and then SIGKILLs
+        # that session; a SIGKILL here would orphan mpiexec's ranks, which hold our pipes.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate(timeout=30)
         raise AssertionError(f"mpiexec job timed out after {timeout}s: {args}\n{stdout[-3000:]}\n{stderr[-5000:]}")
     finally:
         try:  # reap stragglers (e.g. SIGSTOPped ranks) that outlived mpiexec

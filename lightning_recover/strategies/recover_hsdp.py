@@ -81,6 +81,7 @@ from lightning_recover.strategies.environment import ReplicaEnvironment
 from lightning_recover.strategies.evaluation_loader import EvaluationLoader
 from lightning_recover.strategies.probes import StrategyProbes, install_progress_hooks
 from lightning_recover.strategies.replica_group import init_replica_group, is_comm_error
+from lightning_recover.strategies.replica_plane import resolve_replica_plane, use_replica_plane
 from lightning_recover.strategies.step_logs import StepLogs
 from lightning_recover.strategies.sharding import (
     is_sharded,
@@ -139,7 +140,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
     Pass ``config=RecoverConfig(...)`` or its fields as keywords (``shards``,
     ``grad_accum``, ``target_replicas``, ``policy``, ``min_replicas``, ``bucket_mb``, ``data_plane``,
-    ``ledger_path``, ``seed``, ``timeout_s``, ``hang_timeout_s``, ``stuck_timeout_s``, and
+    ``replica_plane``, ``ledger_path``, ``seed``, ``timeout_s``, ``hang_timeout_s``, ``stuck_timeout_s``, and
     ``checkpoint_dir`` / ``checkpoint_every_n_steps`` / ``checkpoint_async_save`` / ``checkpoint_consolidate`` for ``checkpoint``,
     ``sdc_every_n_steps`` / ``sdc_action`` for ``sdc``, ``rejoin`` and its ``rejoin_*`` settings); every setting is
     documented and validated in :class:`lightning_recover.config.RecoverConfig`.
@@ -171,6 +172,10 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.watchdog: HangWatchdog | None = None
         self.probes: StrategyProbes | None = None
         self.ledger: LeaderLedger | None = None
+        # This replica's ranks on MPI (rank = shard index), and whether FSDP2 runs its collectives on it.
+        self._mates: Any = None
+        self._replica_plane = "torch"
+        self._replica_collectives: tuple[Any, ...] = ()
         self._resume: dict[str, Any] | None = None
         self._batch_idx = 0
         #: The ledger record of the last committed step (also on ranks that do not write the ledger).
@@ -272,6 +277,16 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         return self._replica_group
 
     @property
+    def replica_plane(self) -> str:
+        """What carries FSDP2's collectives inside the replica: ``"mpi"`` or ``"torch"`` (``recover.replica_plane``, settled)."""
+        return self._replica_plane
+
+    @property
+    def replica_plane_calls(self) -> int:
+        """FSDP2 all-gathers and reduce-scatters this rank ran on the MPI replica plane so far."""
+        return sum(c.calls for c in self._replica_collectives)
+
+    @property
     def B(self) -> int:
         assert self.policy is not None
         return self.policy.B
@@ -317,20 +332,30 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             lifecycle.warn_single_replica()
         self._refuse_several_devices()
         self.config.check_world(MPI.COMM_WORLD.Get_size())
-        check_data_plane(self.config.data_plane, self.root_device.type)
+        self._check_planes()
         self.layout = RankLayout(MPI.COMM_WORLD.Get_size(), self.config.shards)
         self.comm = FaultTolerantComm(
             self.layout, bucket_bytes=self.bucket_bytes, data_plane=self.config.data_plane, plane_timeout_s=self.config.timeout_s
         )
         # The script's end runs `shutdown()` by itself at interpreter exit; no call needed.
         lifecycle.start_rank(self.comm.rank, self.layout.world_size, end_of_job=self.shutdown)
-        self._start_protocol()
+        self._start_protocol(self.comm.world.Split(self.comm.replica, self.comm.shard))
 
-    def _start_protocol(self, heartbeats: Path | None = None, gather: Callable[[Any], list[Any]] | None = None) -> None:
+    def _check_planes(self) -> None:
+        """Refuse a data or replica plane this process cannot run; settle ``replica_plane=auto``."""
+        check_data_plane(self.config.data_plane, self.root_device.type)
+        self._replica_plane = resolve_replica_plane(self.config.replica_plane, self.config.data_plane, self.root_device.type)
+
+    def _start_protocol(self, mates: Any, heartbeats: Path | None = None) -> None:
         """What every rank builds once it has its communicator: the policy, the watchdog, the
-        replica-local group, the engine, the ledger, the recruiter. A replacement passes the
-        survivors' heartbeat directory and its replica-mates' gather (it has no world yet)."""
+        replica-local group, the engine, the ledger, the recruiter. ``mates``: this
+        replica's ranks on MPI, ranked by shard (a replacement splits them from its spawn:
+        it has no world yet); a replacement also passes the survivors' heartbeat directory."""
         assert self.comm is not None and self.layout is not None
+        from mpi4py import MPI
+
+        mates.Set_errhandler(MPI.ERRORS_RETURN)
+        self._mates = mates
         c = self.config
         # A replacement's policy is replaced by the donor's state before its first step.
         self.policy = make_policy(c.policy, self.layout.replicas, c.grad_accum, T=c.target_replicas, min_replicas=c.min_replicas)
@@ -339,7 +364,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
                 self.comm.rank, self.hang_timeout_s, stuck_timeout=self.stuck_timeout_s, directory=heartbeats
             ).start()
         backend = "nccl" if self.root_device.type == "cuda" else "gloo"
-        init_replica_group(self.comm, c.shards, c.timeout_s, backend, gather=gather)
+        init_replica_group(self.comm, c.shards, c.timeout_s, backend, gather=mates.allgather)
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         self.probes = StrategyProbes(self.comm.rank, self.watchdog, lambda: trainer.callbacks)
@@ -380,11 +405,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
         It becomes a member of the world in ``setup`` (:meth:`_join_world`), once its model
         and optimizer exist to receive the live state."""
-        from mpi4py import MPI
-
         lifecycle.install_crash_hook(joining.rank)
         self._refuse_several_devices()
-        check_data_plane(self.config.data_plane, self.root_device.type)
+        self._check_planes()
         self.layout = layout = RankLayout(int(joining.seat.context["world_size"]), self.config.shards)
         self.comm = FaultTolerantComm.joiner(
             layout, joining.rank, bucket_bytes=self.bucket_bytes, data_plane=self.config.data_plane, plane_timeout_s=self.config.timeout_s
@@ -392,10 +415,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._joining = joining
         # The replica-local group among this replica's replacements (all spawned together).
         mates = joining.children.Split(layout.replica_of(joining.rank), layout.shard_of(joining.rank))
-        mates.Set_errhandler(MPI.ERRORS_RETURN)
         # The survivors' heartbeat directory: this process belongs to another MPI job id.
         beats = joining.seat.context.get("heartbeats")
-        self._start_protocol(heartbeats=Path(beats) if beats else None, gather=mates.allgather)
+        self._start_protocol(mates, heartbeats=Path(beats) if beats else None)
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         # The survivors agreed on the loggers' versions at their start; take theirs, so this
         # rank's callbacks (ModelCheckpoint's directory) resolve the same paths.
@@ -436,6 +458,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.model_to_device()
         if self.config.shards > 1 or is_sharded(self.model):
             shard_model(self.model, self.device_mesh)
+            if self._replica_plane == "mpi":
+                self._replica_collectives = use_replica_plane(self.model, self._mates)
         if self.watchdog is not None and self.watchdog.stuck_timeout is not None:
             install_progress_hooks(self.model, self.watchdog.tick)
         # The sharded parameters, kept: between forward and backward FSDP2 registers a unit's

@@ -17,21 +17,16 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_recover.communicator import FaultTolerantComm
+from lightning_recover.strategies.replica_plane import ReplicaPlaneError
 
 
 def init_replica_group(
-    comm: FaultTolerantComm, shards: int, timeout_s: float, backend: str, gather: Callable[[Any], list[Any]] | None = None
+    comm: FaultTolerantComm, shards: int, timeout_s: float, backend: str, gather: Callable[[Any], list[Any]]
 ) -> None:
     """``init_process_group`` over this replica's ranks, on a TCPStore hosted by its shard 0.
 
-    ``gather`` collects one value from each rank of this replica, by shard; the default
-    gathers over the job's first world (where world rank = logical rank). A replacement
-    passes its own (its world does not exist yet)."""
-    if gather is None:
-        def gather(obj: Any) -> list[Any]:
-            rows = comm.allgather_object(obj)
-            return [rows[comm.layout.rank_of(comm.replica, s)] for s in range(shards)]
-
+    ``gather`` collects one value from each rank of this replica, by shard (e.g. the
+    ``allgather`` of the replica's MPI communicator)."""
     hosts = gather(socket.gethostname())
     addr = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname())
     timeout = timedelta(seconds=timeout_s)
@@ -48,7 +43,7 @@ def init_replica_group(
 
 def is_comm_error(exc: BaseException) -> bool:
     """Whether ``exc`` came from a replica-local collective whose peer is gone."""
-    if isinstance(exc, getattr(dist, "DistError", ())):
+    if isinstance(exc, (ReplicaPlaneError, getattr(dist, "DistError", ()))):
         return True
     text = str(exc).lower()
     return any(k in text for k in ("gloo", "connection closed", "connection reset", "broken pipe", "nccl"))

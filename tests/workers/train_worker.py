@@ -68,6 +68,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     "each rank writes what it got to collectives{RANK}.jsonl")
     ap.add_argument("--data-plane", default=os.environ.get("RECOVER_TEST_DATA_PLANE", "mpi"),
                     help="recover.data_plane (default: $RECOVER_TEST_DATA_PLANE, else mpi)")
+    ap.add_argument("--replica-plane", default=os.environ.get("RECOVER_TEST_REPLICA_PLANE", "auto"),
+                    help="recover.replica_plane (default: $RECOVER_TEST_REPLICA_PLANE, else auto)")
     ap.add_argument("--slow-while-degraded", type=float, default=0.0, metavar="SECONDS",
                     help="every rank sleeps this long after each step while replicas are missing (lets replacements start on 2 cores)")
     ap.add_argument("--no-overlap", action="store_true", help="recover.overlap=false")
@@ -232,7 +234,7 @@ def main() -> None:
         rejoin=args.rejoin, rejoin_backoff_s=0.5, rejoin_timeout_s=60.0, rejoin_hosts=args.rejoin_hosts,
         rejoin_attempts=args.rejoin_attempts, sdc_every_n_steps=args.sdc_every, sdc_action=args.sdc_action,
         overlap=not args.no_overlap, sync_every_microbatch=args.sync_every_microbatch,
-        data_plane=args.data_plane,
+        data_plane=args.data_plane, replica_plane=args.replica_plane,
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,
@@ -271,6 +273,9 @@ def main() -> None:
         # The final world epoch's data plane: which one, and how many buckets it carried.
         "data_plane": comm.data_plane.kind if comm.data_plane else None,
         "data_plane_buckets": comm.data_plane.reductions if comm.data_plane else 0,
+        # What carried FSDP2's collectives inside the replica, and how many ran on MPI.
+        "replica_plane": strategy.replica_plane,
+        "replica_plane_calls": strategy.replica_plane_calls,
     }
     sdc = [cb for cb in trainer.callbacks if isinstance(cb, CorruptionCheck)]
     if sdc:
