@@ -85,6 +85,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bucket-mb", type=float, default=None, help="recover: recover.bucket_mb (default: the strategy's)")
     ap.add_argument("--data-plane", default="mpi", help="recover: recover.data_plane (mpi, gloo)")
     ap.add_argument("--replica-plane", default="auto", help="recover: recover.replica_plane (auto, mpi, torch)")
+    ap.add_argument("--mpi-wait", default=None, choices=["auto", "spin", "sleep"],
+                    help="recover: LIGHTNING_RECOVER_MPI_WAIT (how MPI collectives wait; see lightning_recover/mpi_wait.py)")
     ap.add_argument("--no-overlap", action="store_true", help="recover: recover.overlap=false (reduce after backward)")
     ap.add_argument("--sync-every-microbatch", action="store_true", help="recover: reduce-scatter inside a replica after every microbatch")
     ap.add_argument("--kills", default="[]", help='cr: JSON list of {"step": t, "rank": r}')
@@ -242,6 +244,8 @@ def write_peak_rss(out: Path, rank: int) -> None:
 
 def main() -> None:
     args = parse()
+    if args.mpi_wait is not None:
+        os.environ["LIGHTNING_RECOVER_MPI_WAIT"] = args.mpi_wait
     args.out.mkdir(parents=True, exist_ok=True)
     world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
     L.seed_everything(args.seed, verbose=False)

@@ -66,6 +66,7 @@ SYSTEM_ARGS = {
     "recover-sync-every-mb": ["--system", "recover", "--sync-every-microbatch"],
     "recover-gloo-plane": ["--system", "recover", "--data-plane", "gloo"],
     "recover-torch-replica-plane": ["--system", "recover", "--replica-plane", "torch"],
+    "recover-spin-wait": ["--system", "recover", "--mpi-wait", "spin"],
     "recover-bucket-0.5mb": ["--system", "recover", "--bucket-mb", "0.5"],
     "recover-bucket-1mb": ["--system", "recover", "--bucket-mb", "1"],
 }

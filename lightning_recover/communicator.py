@@ -84,6 +84,8 @@ log = logging.getLogger(__name__)
 
 # 4 MiB: on shared memory, smaller buckets pipeline better (see benchmarks/allreduce.py sweep).
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+#: How long an MPI error that does not say "process failed" may take to show up as a known failure.
+FAILURE_CONFIRM_S = 5.0
 
 # MPI has native sum support for these; 16-bit floats are widened to fp32 first (every data plane does the same).
 _NATIVE = NATIVE
@@ -374,10 +376,24 @@ class FaultTolerantComm:
     def _fail(self, where: str, exc: MPI.Exception) -> PeerFailure:
         """Turn an MPI error into PeerFailure: revoke so blocked peers are released, apply the gate."""
         cls = exc.Get_error_class()
-        if cls not in failure_classes() and not self.known_failed():
-            # Open MPI sometimes reports a peer death as ERR_OTHER; only a known failure makes it one.
+        if cls not in failure_classes() and not self._failure_confirmed():
             raise exc
         return self._peer_failure(where, cls, f"MPI error during {where}")
+
+    def _failure_confirmed(self, within_s: float = FAILURE_CONFIRM_S) -> bool:
+        """Whether a failure of a world member is known, or becomes known within ``within_s``.
+
+        Open MPI sometimes reports a peer death as ERR_OTHER, and a non-blocking collective
+        may do so before the death reaches the communicator's failed group (seen with
+        ``MPI_Iallreduce`` while a peer was SIGKILLed): only a failure known by then makes
+        the error a membership change; anything else is a real error."""
+        deadline = time.monotonic() + within_s
+        while True:
+            if self.failure_noticed():
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
 
     def peer_failure(self, where: str, error_class: int | None = None) -> PeerFailure:
         """The :class:`PeerFailure` for a failure a data plane saw: revoke so blocked peers are released, apply the gate."""

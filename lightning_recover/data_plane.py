@@ -66,6 +66,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import torch
 
+from lightning_recover import mpi_wait
 from lightning_recover.config import DATA_PLANES, ConfigurationError
 from lightning_recover.recovery.buckets import Bucket
 from lightning_recover.recovery.interface import PeerFailure
@@ -191,7 +192,10 @@ def _scatter(segs: Sequence[tuple[int, int, int]], stage: torch.Tensor, dst: Seq
 
 # ---------------------------------------------------------------------- MPI
 class MPIDataPlane(DataPlane):
-    """``MPI_Allreduce`` over one communicator (the shard communicator, or the world for ``across="world"``)."""
+    """``MPI_Allreduce`` over one communicator (the shard communicator, or the world for ``across="world"``).
+
+    On a host with more ranks than cores it waits without spinning (:mod:`~lightning_recover.mpi_wait`).
+    """
 
     kind = "mpi"
 
@@ -200,6 +204,7 @@ class MPIDataPlane(DataPlane):
         self.comm = comm
         # FaultTolerantComm._fail: an MPI error is a peer failure only if its class says so or a death is known.
         self._fail = fail
+        self._polite = mpi_wait.polite()
 
     def reduce(self, bucket: Bucket, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], where: str) -> None:
         from mpi4py import MPI
@@ -213,7 +218,6 @@ class MPIDataPlane(DataPlane):
     def _reduce(self, bucket: Bucket, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
         from mpi4py import MPI
 
-        comm = self.comm
         if len(bucket.segments) == 1:
             ti, s, e = bucket.segments[0]
             a, b = src[ti].detach(), dst[ti].detach()
@@ -221,7 +225,7 @@ class MPIDataPlane(DataPlane):
                 # Zero-copy: MPI reads and writes the tensors' own memory.
                 send = a.view(-1)[s:e].numpy()
                 recv = b.view(-1)[s:e].numpy()
-                comm.Allreduce(MPI.IN_PLACE if a.data_ptr() == b.data_ptr() else send, recv, MPI.SUM)
+                self._allreduce(MPI.IN_PLACE if a.data_ptr() == b.data_ptr() else send, recv)
                 return
         dtypes = {src[ti].dtype for ti, _, _ in bucket.segments}
         if len(dtypes) > 1:
@@ -232,8 +236,16 @@ class MPIDataPlane(DataPlane):
         dtype = dtypes.pop()
         stage = torch.empty(bucket.numel, dtype=WIDEN.get(dtype, dtype))
         _gather(bucket.segments, src, stage)
-        comm.Allreduce(MPI.IN_PLACE, stage.numpy(), MPI.SUM)
+        self._allreduce(MPI.IN_PLACE, stage.numpy())
         _scatter(bucket.segments, stage, dst)
+
+    def _allreduce(self, send: Any, recv: Any) -> None:
+        from mpi4py import MPI
+
+        if self._polite:
+            mpi_wait.wait(self.comm.Iallreduce(send, recv, MPI.SUM))
+        else:
+            self.comm.Allreduce(send, recv, MPI.SUM)
 
 
 # ---------------------------------------------------------------------- a plane whose set-up failed

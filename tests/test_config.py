@@ -50,6 +50,8 @@ def refused(**kwargs: Any) -> str:
         ("data_plane", "ucx", ["data_plane must be 'mpi' or 'gloo' or 'nccl', got 'ucx'", "recover.data_plane='ucx'", "set recover.data_plane=mpi (the default), gloo"]),
         ("data_plane", "Gloo", ["recover.data_plane='Gloo'"]),
         ("data_plane", None, ["data_plane must be 'mpi' or 'gloo' or 'nccl', got None"]),
+        ("replica_plane", "gloo", ["replica_plane must be 'auto' or 'mpi' or 'torch', got 'gloo'", "recover.replica_plane='gloo'",
+                                   "set recover.replica_plane=auto (the default), mpi (CPU) or torch"]),
         ("ledger_path", "", ["ledger_path must be a non-empty path or null, got ''", "set recover.ledger_path to a file path, or null for no ledger"]),
         ("ledger_path", 3, ["ledger_path must be a path or null, got 3"]),
         ("seed", -1, ["seed must be >= 0, got -1", "recover.seed=-1", "non-negative integer"]),
@@ -126,6 +128,7 @@ def test_defaults_and_frozen() -> None:
     assert (config.shards, config.grad_accum, config.target_replicas, config.policy, config.min_replicas) == (1, 1, None, "static", 1)
     assert (config.bucket_mb, config.data_plane, config.ledger_path, config.seed, config.timeout_s) == (4.0, "mpi", None, 0, 60.0)
     assert (config.hang_timeout_s, config.stuck_timeout_s, config.checkpoint) == (None, None, CheckpointConfig())
+    assert config.replica_plane == "auto"
     assert config.bucket_bytes == 4 * 1024 * 1024
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.grad_accum = 2  # type: ignore[misc]

@@ -16,6 +16,7 @@ from model import GPT, SIZES, ByteDataset, read_corpus  # noqa: E402
 
 from lightning_recover.ledger import check_ledger, read_ledger  # noqa: E402
 from lightning_recover.strategies import ConfigurationError, ReCoVerHSDPStrategy  # noqa: E402
+from lightning_recover.strategies.replica_plane import resolve_replica_plane  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -162,6 +163,30 @@ def test_target_replicas_above_replicas_refused(data: ByteDataset) -> None:
 def test_nccl_data_plane_refused_without_cuda(data: ByteDataset) -> None:
     with pytest.raises(ConfigurationError, match=r"recover.data_plane=nccl needs the gradients on CUDA.*recover.data_plane=gloo or mpi"):
         fit(ReCoVerHSDPStrategy(data_plane="nccl"), data)
+
+
+@pytest.mark.parametrize(
+    ("setting", "data_plane", "device", "expected"),
+    [("auto", "mpi", "cpu", "mpi"), ("auto", "gloo", "cpu", "torch"), ("auto", "mpi", "cuda", "torch"),
+     ("auto", "nccl", "cuda", "torch"), ("mpi", "gloo", "cpu", "mpi"), ("torch", "mpi", "cpu", "torch"),
+     ("torch", "nccl", "cuda", "torch")],
+)
+def test_replica_plane_auto_picks_mpi_only_on_cpu_with_the_mpi_data_plane(setting: str, data_plane: str, device: str, expected: str) -> None:
+    assert resolve_replica_plane(setting, data_plane, device) == expected
+
+
+def test_mpi_replica_plane_refused_on_cuda() -> None:
+    with pytest.raises(ConfigurationError, match=r"replica_plane=mpi .* runs on cuda; use recover.replica_plane=torch"):
+        resolve_replica_plane("mpi", "mpi", "cuda")
+
+
+def test_single_process_fit_reports_its_replica_plane(data: ByteDataset) -> None:
+    strategy = ReCoVerHSDPStrategy(replica_plane="torch")
+    fit(strategy, data)
+    assert strategy.replica_plane == "torch" and strategy.replica_plane_calls == 0
+    strategy = ReCoVerHSDPStrategy()
+    fit(strategy, data)
+    assert strategy.replica_plane == "mpi" and strategy.replica_plane_calls == 0  # one shard: no FSDP2 collective
 
 
 def test_iterable_dataset_with_len_refused() -> None:

@@ -24,6 +24,8 @@ The contract of :class:`MPIAllGather` and :class:`MPIReduceScatter`:
   same outcome as a gloo error. A hung mate is declared dead by ULFM's failure detector
   (the launcher's ``--hang-timeout``) or killed by the heartbeat watchdog, whichever
   comes first. Any other MPI error propagates unchanged.
+* **Waiting.** On a host with more ranks than cores a collective waits without spinning
+  (:mod:`~lightning_recover.mpi_wait`): the mate it waits for gets the core.
 * **Threads.** Called on the thread that runs forward and backward, while the overlapped
   cross-replica reduction may use the shard communicator on a helper thread (MPI is
   initialized with ``MPI_THREAD_MULTIPLE``).
@@ -34,13 +36,15 @@ The contract of :class:`MPIAllGather` and :class:`MPIReduceScatter`:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from lightning_recover.communicator import failure_classes
+from lightning_recover import mpi_wait
+from lightning_recover.communicator import FAILURE_CONFIRM_S, failure_classes
 from lightning_recover.config import ConfigurationError
 
 if TYPE_CHECKING:
@@ -74,18 +78,22 @@ class _ReplicaCollective:
 
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.comm = comm
+        self._polite = mpi_wait.polite()
         #: Collectives run so far (what a test checks to know this plane carried them).
         self.calls = 0
 
     def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _run(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+    def _run(self, what: str, blocking: Any, nonblocking: Any, *args: Any, **kwargs: Any) -> None:
         from mpi4py import MPI
 
         self.calls += 1
         try:
-            fn(*args, **kwargs)
+            if self._polite:
+                mpi_wait.wait(nonblocking(*args, **kwargs))
+            else:
+                blocking(*args, **kwargs)
         except MPI.Exception as exc:
             if exc.Get_error_class() not in failure_classes() and not _has_failed(self.comm):
                 raise
@@ -103,7 +111,7 @@ class MPIAllGather(_ReplicaCollective):
 
     def __call__(self, output_tensor: Tensor, input_tensor: Tensor, group: Any = None, async_op: bool = False) -> None:
         # FSDP2 waits on a returned Work only; None means "already done".
-        self._run("all-gather", self.comm.Allgather, _bytes(input_tensor), _bytes(output_tensor))
+        self._run("all-gather", self.comm.Allgather, self.comm.Iallgather, _bytes(input_tensor), _bytes(output_tensor))
 
 
 class MPIReduceScatter(_ReplicaCollective):
@@ -123,21 +131,39 @@ class MPIReduceScatter(_ReplicaCollective):
         wide = input_tensor.dtype not in _NATIVE
         src = input_tensor.float() if wide else input_tensor
         dst = torch.empty(output_tensor.shape, dtype=src.dtype) if wide else output_tensor
-        self._run("reduce-scatter", self.comm.Reduce_scatter_block, src.numpy(), dst.numpy(), op=MPI.SUM)
+        self._run("reduce-scatter", self.comm.Reduce_scatter_block, self.comm.Ireduce_scatter_block, src.numpy(), dst.numpy(), op=MPI.SUM)
         if name == "AVG":
             dst.div_(self.comm.Get_size())
         if dst is not output_tensor:
             output_tensor.copy_(dst)
 
 
-def _has_failed(comm: MPI.Intracomm) -> bool:
-    # Open MPI sometimes reports a peer death as ERR_OTHER; a known failure makes it one.
+def _has_failed(comm: MPI.Intracomm, within_s: float = FAILURE_CONFIRM_S) -> bool:
+    """Whether a member of ``comm`` is known dead (or ``comm`` revoked), now or within ``within_s``.
+
+    Open MPI sometimes reports a peer death as ERR_OTHER, a non-blocking collective even
+    before the death reached the communicator (see ``FaultTolerantComm._failure_confirmed``)."""
     from mpi4py import MPI
 
-    try:
-        return comm.Get_failed().Get_size() > 0
-    except MPI.Exception:
-        return True  # the communicator itself is broken: its members cannot all be alive
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)  # drives the progress that delivers the news
+            if comm.Is_revoked():
+                return True
+            group = comm.Get_failed()
+            try:
+                if group.Get_size() > 0:
+                    return True
+            finally:
+                group.Free()
+        except MPI.Exception as exc:
+            if exc.Get_error_class() in failure_classes():
+                return True
+            raise
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
 
 
 def _op_name(op: Any) -> str:

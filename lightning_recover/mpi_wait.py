@@ -1,0 +1,65 @@
+"""How a rank waits for an MPI collective of the step: spinning, or leaving the core.
+
+Open MPI waits by polling: a rank blocked in a collective keeps its core busy until the
+last peer arrives. With a core per rank that is the fastest wait. On a host running more
+of the job's ranks than it has cores (4 ranks on this project's 2-core machine) the
+spinning rank takes the core from the very peer it waits for, and every synchronization
+of the step (the in-replica all-gathers, the cross-replica reduction, the step's loss
+reduction) then costs a scheduler time slice. Open MPI's own answer,
+``mpi_yield_when_idle`` (on by default when oversubscribed), calls ``sched_yield``, which
+gives nothing to a peer queued on another core.
+
+So on an oversubscribed host the collectives on the step's path are issued non-blocking
+and waited for by :func:`wait`: a short burst of tests (a peer already there completes in
+microseconds), then sleeps doubling from 20 us to 0.5 ms, the most a wait can add once
+the last peer has arrived. Failure semantics are those of the blocking call: under
+``MPI_ERRORS_RETURN`` a test raises ``MPI.Exception`` when a peer died or the
+communicator was revoked. With a core per rank (or another launcher) the callers use the
+blocking call.
+
+``LIGHTNING_RECOVER_MPI_WAIT=spin`` (or ``sleep``) overrides the choice, for benchmarks.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+__all__ = ["oversubscribed", "polite", "wait"]
+
+#: Tests before the first sleep, and the sleep's bounds (it doubles after each test).
+SPIN_TESTS = 50
+MIN_PAUSE_S = 2e-5
+MAX_PAUSE_S = 5e-4
+
+
+def oversubscribed() -> bool:
+    """Whether this host runs more of the job's ranks than it has cores.
+
+    Open MPI tells each rank how many ranks share its host (``OMPI_COMM_WORLD_LOCAL_SIZE``);
+    the host's cores are ``os.cpu_count()`` (not this process's affinity: a rank bound to
+    one core of a large host is not oversubscribed). Not launched by Open MPI: False.
+    """
+    local = os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "")
+    return local.isdigit() and int(local) > (os.cpu_count() or 1)
+
+
+def polite() -> bool:
+    """Whether this rank's step collectives wait with :func:`wait` (see the module docstring)."""
+    choice = os.environ.get("LIGHTNING_RECOVER_MPI_WAIT", "auto").strip().lower()
+    if choice not in ("auto", "spin", "sleep"):
+        raise ValueError(
+            f"LIGHTNING_RECOVER_MPI_WAIT must be auto, spin or sleep, got {choice!r}; unset it for auto"
+        )
+    return choice == "sleep" or (choice == "auto" and oversubscribed())
+
+
+def wait(request: Any) -> None:
+    """Complete an MPI request: test, then test and sleep, until done (raises what ``Test`` raises)."""
+    tests, pause = 0, 0.0
+    while not request.Test():
+        tests += 1
+        if tests > SPIN_TESTS:
+            time.sleep(pause)
+            pause = min(MAX_PAUSE_S, max(MIN_PAUSE_S, 2 * pause))

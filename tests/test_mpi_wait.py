@@ -1,0 +1,63 @@
+"""How step collectives wait (lightning_recover.mpi_wait): the oversubscription rule, the override, the loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_recover import mpi_wait
+
+
+def test_oversubscribed_compares_the_hosts_ranks_with_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    assert mpi_wait.oversubscribed()
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    assert not mpi_wait.oversubscribed()
+    monkeypatch.delenv("OMPI_COMM_WORLD_LOCAL_SIZE")
+    assert not mpi_wait.oversubscribed()  # not launched by Open MPI: the plain blocking wait
+
+
+def test_the_environment_overrides_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
+    assert mpi_wait.polite()
+    monkeypatch.setenv("LIGHTNING_RECOVER_MPI_WAIT", "spin")
+    assert not mpi_wait.polite()
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1")
+    monkeypatch.setenv("LIGHTNING_RECOVER_MPI_WAIT", "Sleep")
+    assert mpi_wait.polite()
+    monkeypatch.setenv("LIGHTNING_RECOVER_MPI_WAIT", "yield")
+    with pytest.raises(ValueError, match="LIGHTNING_RECOVER_MPI_WAIT must be auto, spin or sleep, got 'yield'; unset it"):
+        mpi_wait.polite()
+
+
+class Request:
+    """An MPI request stand-in that completes (or fails) at its n-th test."""
+
+    def __init__(self, n: int, error: Exception | None = None) -> None:
+        self.n, self.tests, self.error = n, 0, error
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's name
+        self.tests += 1
+        if self.tests == self.n and self.error is not None:
+            raise self.error
+        return self.tests >= self.n
+
+
+def test_wait_tests_until_done_and_sleeps_with_bounded_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
+    pauses: list[float] = []
+    monkeypatch.setattr(mpi_wait.time, "sleep", pauses.append)
+    req = Request(mpi_wait.SPIN_TESTS + 20)
+    mpi_wait.wait(req)
+    assert req.tests == mpi_wait.SPIN_TESTS + 20
+    assert len(pauses) == 19  # no sleep during the first burst, one per failed test after it
+    assert pauses[0] == 0.0 and all(mpi_wait.MIN_PAUSE_S <= p <= mpi_wait.MAX_PAUSE_S for p in pauses[1:])
+    assert pauses[-1] == mpi_wait.MAX_PAUSE_S
+    quick = Request(1)
+    mpi_wait.wait(quick)
+    assert quick.tests == 1
+
+
+def test_wait_raises_what_the_test_raises() -> None:
+    with pytest.raises(RuntimeError, match="peer died"):
+        mpi_wait.wait(Request(3, RuntimeError("peer died")))
