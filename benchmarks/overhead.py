@@ -36,8 +36,10 @@ over its wall time). Compare ratios from rounds with ``others`` near 0.
 Results go to ``benchmarks/results/overhead.json``; the last line printed is the
 headline ``ReCoVer/stock step time: 0.93x [95% CI 0.90-0.97] (2x2), ...; peak memory per rank:
 1.02x (2x2), ...``. Each rank also records its peak resident memory (``rss<rank>.json``); the
-table shows the largest rank's, per system. ``--ablation`` also times ReCoVer without the
-overlap, with a reduce-scatter after every microbatch, and with the gloo data plane.
+table shows the largest rank's, per system. ``--ablation`` also times every ReCoVer variant
+of ``SYSTEM_ARGS``: without the overlap, with a reduce-scatter after every microbatch, on
+the gloo data plane, with FSDP2's collectives on torch's gloo group instead of MPI, with
+MPI's spinning wait, and with smaller buckets.
 """
 
 from __future__ import annotations
@@ -86,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", nargs="+", default=None, choices=["recover", "stock", *SYSTEM_ARGS],
                    help="time exactly these systems (overrides --naive/--ddp/--ablation; keep recover and stock for the ratios)")
     p.add_argument("--ablation", action="store_true",
-                   help="also time ReCoVer without overlap, with a reduce-scatter after every microbatch, and on the gloo data plane")
+                   help="also time every ReCoVer variant (no overlap, reduce-scatter every microbatch, gloo data plane, "
+                   "torch replica plane, spinning MPI wait, small buckets)")
     p.add_argument("--quiet-wait", type=float, default=5.0,
                    help="before each job wait up to this many seconds for other work on the machine to stop")
     p.add_argument("--timeout", type=float, default=240, help="hard timeout per launched job, seconds")
