@@ -15,7 +15,11 @@ Where a release was checked, and how:
   reductions", June 2025, which also renamed ``set_reduce_scatter_divide_factor``),
   before the 2.8 branch cut; code that supports both releases falls back to
   ``set_reduce_scatter_divide_factor`` on torch < 2.8. Both are needed on gloo (see
-  :mod:`lightning_recover.strategies.sharding`), so 2.8 is the floor.
+  :mod:`lightning_recover.strategies.sharding`), so they need 2.8.
+* ``FSDPModule.set_custom_all_gather`` and ``set_custom_reduce_scatter`` (the replica
+  plane, :mod:`lightning_recover.strategies.replica_plane`): pytorch/pytorch#155189
+  ("support custom all_gather and reduce_scatter comms"), approved in July 2025, after the
+  2.8 branch cut, so 2.9 is the floor.
 * ``torch.distributed.fsdp.fully_shard`` / ``FSDPModule``: the public FSDP2 path since 2.6
   (``torch.distributed._composable.fsdp`` before).
 * ``torch.distributed.tensor``: public DTensor since 2.5 (``torch.distributed._tensor`` before).
@@ -34,6 +38,8 @@ TORCH_APIS: dict[str, str] = {
     "torch.distributed.fsdp.FSDPModule.set_gradient_divide_factor": "2.8",
     "torch.distributed.fsdp.FSDPModule.set_force_sum_reduction_for_comms": "2.8",
     "torch.distributed.fsdp.FSDPModule.set_requires_gradient_sync": "2.6",
+    "torch.distributed.fsdp.FSDPModule.set_custom_all_gather": "2.9",
+    "torch.distributed.fsdp.FSDPModule.set_custom_reduce_scatter": "2.9",
     "torch.distributed.device_mesh.init_device_mesh": "2.2",
     "torch.distributed.device_mesh.DeviceMesh": "2.2",
     "torch.distributed.tensor.DTensor": "2.5",

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 import torch
 
-from lightning_recover import lifecycle
+from lightning_recover import lifecycle, mpi_wait
 from lightning_recover.data_plane import (
     DATA_PLANES,
     NATIVE,
@@ -190,7 +190,9 @@ class FaultTolerantComm:
         self._ids = tuple(range(base.Get_size()))
         self.shard_comm = self._split_shard(self.world)
         self.alive_replicas = tuple(range(layout.replicas))
-        self._procs = dict(enumerate(self.world.allgather(_this_process())))
+        rows = self.world.allgather((_this_process(), mpi_wait.local_choice()))
+        self._procs = {r: proc for r, (proc, _) in enumerate(rows)}
+        mpi_wait.agree(polite for _, polite in rows)
         self._open_plane()
 
     def _setup(self, layout: RankLayout, rank: int, bucket_bytes: int, data_plane: str, plane_timeout_s: float) -> None:
@@ -250,11 +252,12 @@ class FaultTolerantComm:
         """
         MPI = _mpi()
         merged.Set_errhandler(MPI.ERRORS_RETURN)
-        rows: list[tuple[int, int, tuple[str, int, str | None]]] = []
+        rows: list[tuple[int, int, tuple[str, int, str | None], bool]] = []
         shard = None
         ok = 1
         try:
-            rows = merged.allgather((self.rank, self.world_epoch, _this_process()))
+            # A survivor offers the world's wait, a joiner its own: all adopt the same (mpi_wait).
+            rows = merged.allgather((self.rank, self.world_epoch, _this_process(), mpi_wait.polite()))
             shard = merged.Split(self.shard, self.replica)
         except MPI.Exception:
             ok = 0
@@ -269,9 +272,10 @@ class FaultTolerantComm:
         shard.Set_errhandler(MPI.ERRORS_RETURN)
         self.world, self.shard_comm = merged, shard
         self._base_group = merged.Get_group()
-        self._ids = tuple(r for r, _, _ in rows)
-        self._procs.update({r: proc for r, _, proc in rows})
-        self.world_epoch = max(e for _, e, _ in rows) + 1
+        self._ids = tuple(r for r, _, _, _ in rows)
+        self._procs.update({r: proc for r, _, proc, _ in rows})
+        mpi_wait.agree(polite for _, _, _, polite in rows)
+        self.world_epoch = max(e for _, e, _, _ in rows) + 1
         self.alive_replicas = tuple(self.layout.complete_replicas(self._ids))
         self._open_plane()
         return True

@@ -204,7 +204,6 @@ class MPIDataPlane(DataPlane):
         self.comm = comm
         # FaultTolerantComm._fail: an MPI error is a peer failure only if its class says so or a death is known.
         self._fail = fail
-        self._polite = mpi_wait.polite()
 
     def reduce(self, bucket: Bucket, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], where: str) -> None:
         from mpi4py import MPI
@@ -242,7 +241,7 @@ class MPIDataPlane(DataPlane):
     def _allreduce(self, send: Any, recv: Any) -> None:
         from mpi4py import MPI
 
-        if self._polite:
+        if mpi_wait.polite():
             mpi_wait.wait(self.comm.Iallreduce(send, recv, MPI.SUM))
         else:
             self.comm.Allreduce(send, recv, MPI.SUM)

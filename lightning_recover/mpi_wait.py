@@ -17,16 +17,24 @@ the last peer has arrived. Failure semantics are those of the blocking call: und
 communicator was revoked. With a core per rank (or another launcher) the callers use the
 blocking call.
 
-``LIGHTNING_RECOVER_MPI_WAIT=spin`` (or ``sleep``) overrides the choice, for benchmarks.
+Every member of a communicator must wait the same way: MPI never matches a blocking
+collective with a non-blocking one, so a rank spinning in ``MPI_Allreduce`` next to one in
+``MPI_Iallreduce`` deadlocks. The choice is therefore the world's, not the rank's: when a
+world forms (job start, every re-join) the communicator gathers each member's
+:func:`local_choice` and every member adopts :func:`agree` of them (polite if any member's
+host is oversubscribed); :func:`polite` returns that, read at every call.
+
+``LIGHTNING_RECOVER_MPI_WAIT=spin`` (or ``sleep``) overrides the local choice, for benchmarks.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["oversubscribed", "polite", "wait"]
+__all__ = ["agree", "local_choice", "oversubscribed", "polite", "wait"]
 
 #: Tests before the first sleep, and the sleep's bounds (it doubles after each test).
 SPIN_TESTS = 50
@@ -45,14 +53,30 @@ def oversubscribed() -> bool:
     return local.isdigit() and int(local) > (os.cpu_count() or 1)
 
 
-def polite() -> bool:
-    """Whether this rank's step collectives wait with :func:`wait` (see the module docstring)."""
+#: The world's choice (:func:`agree`); None until this process joined a world.
+_agreed: bool | None = None
+
+
+def local_choice() -> bool:
+    """This rank's own preference: wait politely on an oversubscribed host, unless overridden."""
     choice = os.environ.get("LIGHTNING_RECOVER_MPI_WAIT", "auto").strip().lower()
     if choice not in ("auto", "spin", "sleep"):
         raise ValueError(
             f"LIGHTNING_RECOVER_MPI_WAIT must be auto, spin or sleep, got {choice!r}; unset it for auto"
         )
     return choice == "sleep" or (choice == "auto" and oversubscribed())
+
+
+def agree(choices: Iterable[bool]) -> bool:
+    """Adopt the world's choice from every member's :func:`local_choice` (each member calls it with the same list)."""
+    global _agreed
+    _agreed = any(choices)
+    return _agreed
+
+
+def polite() -> bool:
+    """Whether the step's collectives wait with :func:`wait`: the world's choice, else (no world yet) this rank's."""
+    return _agreed if _agreed is not None else local_choice()
 
 
 def wait(request: Any) -> None:

@@ -17,18 +17,27 @@ def test_oversubscribed_compares_the_hosts_ranks_with_its_cores(monkeypatch: pyt
     assert not mpi_wait.oversubscribed()  # not launched by Open MPI: the plain blocking wait
 
 
-def test_the_environment_overrides_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_environment_overrides_the_local_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("os.cpu_count", lambda: 2)
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "4")
-    assert mpi_wait.polite()
+    assert mpi_wait.local_choice()
     monkeypatch.setenv("LIGHTNING_RECOVER_MPI_WAIT", "spin")
-    assert not mpi_wait.polite()
+    assert not mpi_wait.local_choice()
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "1")
     monkeypatch.setenv("LIGHTNING_RECOVER_MPI_WAIT", "Sleep")
-    assert mpi_wait.polite()
+    assert mpi_wait.local_choice()
     monkeypatch.setenv("LIGHTNING_RECOVER_MPI_WAIT", "yield")
     with pytest.raises(ValueError, match="LIGHTNING_RECOVER_MPI_WAIT must be auto, spin or sleep, got 'yield'; unset it"):
-        mpi_wait.polite()
+        mpi_wait.local_choice()
+
+
+def test_the_world_waits_one_way_polite_if_any_member_would(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A blocking and a non-blocking collective never match: every member must adopt one choice.
+    monkeypatch.setattr(mpi_wait, "_agreed", None)
+    monkeypatch.setenv("LIGHTNING_RECOVER_MPI_WAIT", "spin")
+    assert not mpi_wait.polite()  # no world yet: this rank's own choice
+    assert mpi_wait.agree([False, True, False]) and mpi_wait.polite()  # the local choice no longer counts
+    assert not mpi_wait.agree(iter([False, False])) and not mpi_wait.polite()
 
 
 class Request:
