@@ -31,8 +31,11 @@ when a :class:`FaultTolerantComm` is built.
   and a failure noticed during the agreement makes it ``False`` for all of them.
 * ``repair()`` revokes, shrinks, keeps only *complete* replicas, advances ``world_epoch``
   and re-derives the shard communicators. It loops until one attempt is agreed by every
-  survivor, so a further death while repairing just costs another round. Ranks MPI
-  declared dead are then fenced (:func:`lightning_recover.lifecycle.kill_process`): one
+  survivor, so a further death while repairing just costs another round. Before the new
+  world is taken, the **quorum rule** (:mod:`lightning_recover.quorum`) decides whether this
+  side of the failure may continue at all: across hosts a "dead" rank may be alive behind
+  a partition, and only one side may train; a side that may not leaves with
+  :func:`lightning_recover.lifecycle.quorum_exit`. Ranks MPI declared dead are then fenced (:func:`lightning_recover.lifecycle.kill_process`): one
   that was only hung must never come back as a member.
 * ``grow(merged)`` installs a world that replacement ranks were merged into (hot re-join,
   :mod:`lightning_recover.rejoin`): a joiner takes the *logical* rank of a lost replica's
@@ -60,7 +63,7 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 import torch
 
-from lightning_recover import lifecycle, mpi_wait
+from lightning_recover import lifecycle, mpi_wait, quorum
 from lightning_recover.data_plane import (
     DATA_PLANES,
     NATIVE,
@@ -71,6 +74,7 @@ from lightning_recover.data_plane import (
     TorchDistDataPlane,
     host_store,
 )
+from lightning_recover.fence import WorldFence
 from lightning_recover.recovery.buckets import ReduceHandle, plan_buckets
 from lightning_recover.recovery.interface import PeerFailure, RepairResult
 from lightning_recover.topology import RankLayout
@@ -192,6 +196,8 @@ class FaultTolerantComm:
         self.alive_replicas = tuple(range(layout.replicas))
         rows = self.world.allgather((_this_process(), mpi_wait.local_choice()))
         self._procs = {r: proc for r, (proc, _) in enumerate(rows)}
+        # The first rank's process names this launch: unique, and known to every rank.
+        self.job_id = ":".join(str(part) for part in rows[0][0])
         mpi_wait.agree(polite for _, polite in rows)
         self._open_plane()
 
@@ -221,6 +227,10 @@ class FaultTolerantComm:
         # Where every rank runs and which process it is, so a rank declared dead while
         # merely hung can be fenced off without ever hitting a recycled pid.
         self._procs: dict[int, tuple[str, int, str | None]] = {}
+        #: This launch's name (host:pid:start of its first rank): what the write fences hold.
+        self.job_id = ""
+        # The write fences of the run's outputs (lightning_recover.fence), set by guard_writes.
+        self._fences: list[WorldFence] = []
         #: Called with a point name ("repair:shrunk", ...) -- the hook fault injection uses.
         self.fault_hook: Callable[[str], None] | None = None
 
@@ -252,12 +262,12 @@ class FaultTolerantComm:
         """
         MPI = _mpi()
         merged.Set_errhandler(MPI.ERRORS_RETURN)
-        rows: list[tuple[int, int, tuple[str, int, str | None], bool]] = []
+        rows: list[tuple[int, int, tuple[str, int, str | None], bool, str]] = []
         shard = None
         ok = 1
         try:
             # A survivor offers the world's wait, a joiner its own: all adopt the same (mpi_wait).
-            rows = merged.allgather((self.rank, self.world_epoch, _this_process(), mpi_wait.polite()))
+            rows = merged.allgather((self.rank, self.world_epoch, _this_process(), mpi_wait.polite(), self.job_id))
             shard = merged.Split(self.shard, self.replica)
         except MPI.Exception:
             ok = 0
@@ -272,12 +282,14 @@ class FaultTolerantComm:
         shard.Set_errhandler(MPI.ERRORS_RETURN)
         self.world, self.shard_comm = merged, shard
         self._base_group = merged.Get_group()
-        self._ids = tuple(r for r, _, _, _ in rows)
-        self._procs.update({r: proc for r, _, proc, _ in rows})
-        mpi_wait.agree(polite for _, _, _, polite in rows)
-        self.world_epoch = max(e for _, e, _, _ in rows) + 1
+        self._ids = tuple(r for r, *_ in rows)
+        self._procs.update({r: proc for r, _, proc, _, _ in rows})
+        mpi_wait.agree(polite for _, _, _, polite, _ in rows)
+        self.world_epoch = max(e for _, e, *_ in rows) + 1
+        self.job_id = rows[0][4]  # a survivor's: the joiners come after them
         self.alive_replicas = tuple(self.layout.complete_replicas(self._ids))
         self._open_plane()
+        self._advance_fences()
         return True
 
     # ------------------------------------------------------------------ membership
@@ -594,6 +606,7 @@ class FaultTolerantComm:
         MPI = _mpi()
         t0 = time.perf_counter()
         before = set(self.members)
+        leader = self.members[0]
         current = self.world
         for rounds in range(1, max_rounds + 1):
             self._revoke(current, self.shard_comm)
@@ -625,6 +638,9 @@ class FaultTolerantComm:
             if not agreed:
                 current = shrunk
                 continue
+            verdict = self._quorum(before, present, keep, leader)
+            if not verdict.proceed:
+                self.quorum_exit(f"world epoch {self.world_epoch} -> {self.world_epoch + 1}: {verdict.reason}")
             if not mine_ok:
                 dead = sorted(set(self.layout.ranks_of_replica(self.replica)) - set(present))
                 self.gate_exit(f"replica {self.replica} lost rank(s) {dead} (seen while repairing)")
@@ -640,9 +656,43 @@ class FaultTolerantComm:
             # Fence only ranks MPI declared dead; a live partner of an incomplete replica
             # leaves through the gate on its own.
             self._fence(sorted(before - set(present)))
+            self._advance_fences()
             self._open_plane()
             return RepairResult(self.world_epoch, lost, lost_replicas, self.alive_replicas, time.perf_counter() - t0, rounds)
         raise RuntimeError(f"repair did not converge in {max_rounds} rounds; the job cannot continue")
+
+    def _quorum(self, before: set[int], present: Sequence[int], keep: set[int], leader: int) -> quorum.QuorumVerdict:
+        """May this side of the failure continue? Every survivor computes the same verdict
+        from agreed inputs: the previous members, the shrunk group and the hosts of all."""
+        lost = sorted(before - set(present))
+        certain = quorum.certain_losses(
+            lost, present, {r: self._procs[r][0] for r in before}, {r: self.layout.replica_of(r) for r in before}
+        )
+        return quorum.decide(self.alive_replicas, keep, certain, self.layout.replica_of(leader))
+
+    def guard_writes(self, directories: Sequence[str | os.PathLike[str]]) -> None:
+        """Fence the run's outputs in ``directories`` with this launch and world epoch
+        (:mod:`lightning_recover.fence`); the leader takes the fences now and after every repair and join."""
+        self._fences = [WorldFence(d) for d in directories]
+        self._advance_fences()
+
+    def _advance_fences(self) -> None:
+        if self.world is not None and self.is_leader:
+            for fence in self._fences:
+                fence.advance(self.job_id, self.world_epoch)
+
+    def check_fences(self, what: str) -> None:
+        """Call just before writing ``what``: a rank of an older world or launch leaves instead of writing."""
+        for fence in self._fences:
+            if not fence.allows(self.job_id, self.world_epoch):
+                self.quorum_exit(
+                    f"refused to write the {what}: {fence.path} is held by {fence.holder()}, "
+                    f"this rank is of job {self.job_id} at world epoch {self.world_epoch} (a newer world went on without it)"
+                )
+
+    def quorum_exit(self, reason: str) -> NoReturn:
+        """:func:`lightning_recover.lifecycle.quorum_exit` for this rank."""
+        lifecycle.quorum_exit(self.rank, reason)
 
     def _fence(self, lost: Sequence[int]) -> None:
         """SIGKILL ``lost`` ranks that run on this host: one the failure detector declared

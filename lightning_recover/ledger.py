@@ -22,7 +22,7 @@ import math
 import os
 import sys
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,8 +156,17 @@ class LeaderLedger:
     of steps after its checkpoint the first time it writes: those steps are redone.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, resumed: bool = False, history: int = 64) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        resumed: bool = False,
+        history: int = 64,
+        guard: Callable[[], None] | None = None,
+    ) -> None:
         self.path = Path(path)
+        # Called before every write; it does not return for a rank of an older world (the write fence).
+        self._guard = guard
         self.resumed = resumed
         self._history: list[dict[str, Any]] = []
         self._keep = history
@@ -188,6 +197,8 @@ class LeaderLedger:
         return {line["step"] for line in read_ledger(self.path)} if self.path.exists() else set()
 
     def _write(self, record: dict[str, Any]) -> None:
+        if self._guard is not None:
+            self._guard()
         if self._writer is None and self.resumed and not self._led:
             keep = [line for line in read_ledger(self.path) if line["step"] < record["step"]] if self.path.exists() else []
             with LedgerWriter(self.path) as rewrite:

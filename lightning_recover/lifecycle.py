@@ -84,6 +84,10 @@ GATE_SIGNAL = signal.SIGUSR1
 GATE_EXIT_CODE = 128 + int(GATE_SIGNAL)
 #: The words every gate exit prints on stderr (tests and users grep for them).
 GATE_MESSAGE = "replica-consistency gate"
+#: The exit status of a rank whose side of a cut lost the quorum (EX_TEMPFAIL: relaunch may help).
+QUORUM_EXIT_CODE = 75
+#: The words every quorum exit prints on stderr, and the start of its ``exited`` marker.
+QUORUM_MESSAGE = "no quorum"
 #: How a rank with an uncaught exception leaves (see :func:`install_crash_hook`).
 CRASH_SIGNAL = signal.SIGKILL
 
@@ -328,6 +332,27 @@ def gate_exit(rank: int, reason: str) -> NoReturn:
     os.kill(os.getpid(), GATE_SIGNAL)
     time.sleep(5)  # the signal is delivered before this returns; never run on as a zombie member
     os._exit(GATE_EXIT_CODE)
+
+
+def quorum_exit(rank: int, reason: str) -> NoReturn:
+    """Leave because this side of a failure may not continue (:mod:`lightning_recover.quorum`).
+
+    Every survivor of the side runs this at the same point of the same repair, so the side
+    stops whole; nothing is written after it. The ``exited`` marker holds ``no quorum: REASON``
+    so a supervising launcher can tell this stop (relaunch from the newest checkpoint on the
+    hosts that remain) from a finished or broken job.
+    """
+    print(
+        f"[lightning-recover] rank {rank}: {QUORUM_MESSAGE}: {reason}; this side stops so that only one "
+        f"world trains (status {QUORUM_EXIT_CODE}); relaunch from the newest checkpoint "
+        "(lightning-recover launch --supervise does it)",
+        file=sys.stderr,
+        flush=True,
+    )
+    mark_status("exited", rank, f"{QUORUM_MESSAGE}: {reason}")
+    sys.stdout.flush()
+    time.sleep(_OUTPUT_DRAIN_S)
+    os._exit(QUORUM_EXIT_CODE)
 
 
 def end_job(comm: FaultTolerantComm, exit_code: int | None = None) -> None:

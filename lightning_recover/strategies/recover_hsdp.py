@@ -379,7 +379,12 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             probes=self.probes, step=lambda: trainer.global_step,
         )
         if c.ledger_path is not None:
-            self.ledger = LeaderLedger(c.ledger_path)
+            self.ledger = LeaderLedger(c.ledger_path, guard=lambda: self.comm.check_fences("step ledger"))  # type: ignore[union-attr]
+        # Only the newest world of the newest launch writes the ledger and the checkpoints.
+        guarded = [Path(c.ledger_path).parent] if c.ledger_path is not None else []
+        if c.checkpoint.dir is not None:
+            guarded.append(Path(c.checkpoint.dir))
+        self.comm.guard_writes(guarded)
         if c.rejoin:
             self.recruiter = self._make_recruiter()
 
@@ -1041,6 +1046,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"ReCoVerHSDPStrategy.save_checkpoint takes no storage_options (got {storage_options!r}); pass None")
         state = checkpoint[checkpoint_io.STATE_KEY] = self._recover_state()
+        self.comm.check_fences("checkpoint")
         with self.replica_guard("checkpoint save"):
             self.checkpoint_writer.save(checkpoint, filepath, step=int(state["step"]))
 
