@@ -362,3 +362,56 @@ def decide(
     if lost:
         why += f"; lost host(s): {', '.join(sorted(lost))}"
     return Decision("relaunch", cause, why, plan=next_plan, lost=frozenset(lost), backoff_s=policy.backoff(relaunches_done + 1))
+
+
+# ---------------------------------------------------------------------- what a relaunch cost
+_CHECKPOINT_STEP = re.compile(r"step-(\d+)")
+
+
+def checkpoint_step(name: str) -> int | None:
+    """Steps done at a fallback checkpoint, from its file name (``step-00000010.ckpt`` -> 10): the resumed job's first step."""
+    m = _CHECKPOINT_STEP.search(name)
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class RelaunchCost:
+    """The time one relaunch lost, in its parts (measured by the launcher from file times and the ledger).
+
+    * ``detection_s``: the last committed step of the failed job -> the supervisor saw it
+      end (the abort, or the stall timeout; includes the step that was cut short);
+    * ``relaunch_s``: -> every rank of the new job had its communicator up (probe, backoff,
+      mpiexec start, imports, MPI init);
+    * ``restore_s``: -> the new job's first committed step, less that step's own time
+      (checkpoint load, model and strategy setup); NaN when the new job committed none;
+    * ``replay_s``: the committed steps since the checkpoint that the new job redoes
+      (``replayed_steps`` of them), at their original step times.
+    """
+
+    detection_s: float
+    relaunch_s: float
+    restore_s: float
+    replayed_steps: int
+    replay_s: float
+
+    @property
+    def total_s(self) -> float:
+        """The parts known (a restore that never finished counts as nothing: the next relaunch's cost holds that time)."""
+        restore = self.restore_s if self.restore_s == self.restore_s else 0.0
+        return self.detection_s + self.relaunch_s + restore + self.replay_s
+
+    def describe(self) -> str:
+        restore = f"{self.restore_s:.1f} s" if self.restore_s == self.restore_s else "- (the relaunched job committed no step)"
+        return (
+            f"{self.total_s:.1f} s = detection {self.detection_s:.1f} s + relaunch {self.relaunch_s:.1f} s + "
+            f"restore {restore} + replay {self.replay_s:.1f} s ({self.replayed_steps} step(s) since the checkpoint)"
+        )
+
+
+def replayed_steps(step_times: Mapping[int, float], resume_step: int | None) -> tuple[int, float]:
+    """Committed steps (step -> step time) at or after ``resume_step``: the work a resume from that checkpoint redoes.
+
+    ``None``: no checkpoint, the relaunch starts from step 0 and redoes them all.
+    """
+    redo = [t for s, t in step_times.items() if s >= (resume_step or 0)]
+    return len(redo), float(sum(redo))
