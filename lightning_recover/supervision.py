@@ -33,8 +33,9 @@ Decision rules (:func:`decide`), in this order:
    job may raise on the way down.
 4. Otherwise (lost daemon, every replica died, the stall watchdog fired, a stop below
    min_replicas, Open MPI's runtime failed to start) -> **relaunch** on the hosts that
-   remain: the previous hosts minus every host PRRTE named as lost and every host the
-   launcher's probe could not reach. A lost host never comes back within one supervision.
+   remain: the previous hosts minus every host PRRTE named as lost (in its lost-daemon
+   message, or as the host whose daemon never reported back at start-up) and every host
+   the launcher's probe could not reach. A lost host never comes back within one supervision.
 
 How many ranks a relaunch gets (:func:`relaunch_plan`): B (= T * G_init) and the sample
 order come from the checkpoint, and a resume on fewer replicas keeps B by giving each
@@ -62,8 +63,14 @@ from typing import Literal
 LOST_DAEMON = "PRTE has lost communication with a remote daemon"
 #: The line of that message that names the lost daemon's node: ``Remote daemon: [prterun-x-1@0,2] on node nodeB``.
 _REMOTE_NODE = re.compile(r"Remote daemon\s*:\s*\S+\s+on node\s+(\S+)")
-#: PRRTE could not start a daemon on some host (help-errmgr-base.txt, [failed-daemon-launch] / [failed-daemon]).
-DAEMON_START_FAILURES = ("was unable to reliably start one or more daemons", "PRTE daemon has unexpectedly failed after launch")
+#: PRRTE could not start a daemon on some host: help-errmgr-base.txt's [failed-daemon-launch] and
+#: [failed-daemon], and prterun's own report, which names the host (``Remote host:   nodeB``; seen
+#: here with an unresolvable host name).
+DAEMON_REPORT_FAILURE = "A daemon failed to report back after being spawned"
+DAEMON_START_FAILURES = (
+    "was unable to reliably start one or more daemons", "PRTE daemon has unexpectedly failed after launch", DAEMON_REPORT_FAILURE,
+)
+_REMOTE_HOST = re.compile(r"Remote host:\s+(\S+)")
 #: Open MPI 5's PMIx listener race (see lightning_recover.launcher.RUNTIME_START_FAILURE): no rank ran.
 RUNTIME_START_FAILURE = "The PMIx server's listener thread failed to start"
 #: The status a job ends with when fewer than ``min_replicas`` replicas are alive (the strategy's
@@ -174,8 +181,11 @@ def _short(name: str) -> str:
 
 
 def hosts_named_lost(output: str, hosts: Sequence[Host]) -> frozenset[str]:
-    """The hosts of ``hosts`` that PRRTE's lost-daemon message names (matching a short name to an FQDN too)."""
+    """The hosts of ``hosts`` that PRRTE names in its lost-daemon message, or in its report of a daemon
+    that never came up (matching a short name to an FQDN too)."""
     named = {m.group(1).strip(".,;") for m in _REMOTE_NODE.finditer(output)} if LOST_DAEMON in output else set()
+    if DAEMON_REPORT_FAILURE in output:
+        named |= {m.group(1).strip(".,;") for m in _REMOTE_HOST.finditer(output.split(DAEMON_REPORT_FAILURE, 1)[1])}
     return frozenset(h.name for h in hosts if h.name in named or _short(h.name) in {_short(n) for n in named})
 
 

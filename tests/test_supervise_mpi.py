@@ -94,6 +94,24 @@ def test_relaunches_are_bounded_and_program_errors_are_not_relaunched(tmp_path: 
     assert "ValueError: bad lr" in verdict and "fix the error" in verdict
 
 
+@pytest.mark.mpi
+def test_a_host_whose_daemon_never_came_up_is_dropped_and_the_job_runs_on_the_rest(tmp_path: Path) -> None:
+    # 'ghost' does not resolve: PRRTE's daemon there never reports back and prterun names the
+    # host. The relaunch leaves it out and fits whole replicas into the remaining slot.
+    rc, _, err = _finish(
+        _supervise(["-n", "2", "--supervise", "--hosts", "localhost:1,ghost:1", "--checkpoint-dir", str(tmp_path),
+                    "--relaunch-backoff", "0.1"], [WORKER, "finish", str(tmp_path / "l")]),
+        timeout=60,
+    )
+    detail = f"rc={rc}\n{err[-4000:]}"
+    assert rc == 0, detail
+    (relaunch,) = _lines(err, "relaunch 1/3")
+    assert "did not start on every host; lost host(s): ghost" in relaunch and "1 rank(s) on localhost:1" in relaunch, detail
+    second = _lines(err, "attempt 2: ")[0]
+    assert "--host localhost:1 " in second and " -n 1 " in second, detail
+    assert _lines(err, "the job finished after 1 relaunch(es)"), detail
+
+
 # ------------------------------------------------------------------------------ pretrain: the whole job lost
 def _rank_pids(run_dir: Path) -> list[int]:
     """The job's ranks: processes running examples/pretrain.py into ``run_dir`` (not mpiexec, not the supervisor)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -35,6 +37,15 @@ def lost_daemon_text(node: str) -> str:
         f"{LOST_DAEMON}.\n\n  HNP daemon   : [prterun-nodeA-4242@0,0] on node nodeA\n"
         f"  Remote daemon: [prterun-nodeA-4242@0,2] on node {node}\n\n"
         "This is usually due to either a failure of the TCP network\n"
+    )
+
+
+def daemon_report_text(node: str) -> str:
+    """prterun's report of a daemon that never came up (seen here for an unresolvable host)."""
+    return (
+        "------------------------------------------------------------\n"
+        "A daemon failed to report back after being spawned. This could\nbe due to several factors, including ...\n\n"
+        f"  Local host:    vm\n  Remote host:   {node}\n  Daemon exit status: 255\n"
     )
 
 
@@ -77,7 +88,10 @@ def test_lost_daemon_message_names_the_host() -> None:
     assert hosts_named_lost(lost_daemon_text("nodeB"), hosts) == {"nodeB"}
     # PRRTE prints short names; a host given as an FQDN still matches.
     assert hosts_named_lost(lost_daemon_text("nodeB"), parse_host_list("nodeA.x.org:2,nodeB.x.org:2")) == {"nodeB.x.org"}
-    # Without the lost-daemon headline nothing is taken as lost, whatever else is printed.
+    # A daemon that never reported back at start-up: its host is named too.
+    assert hosts_named_lost(daemon_report_text("nodeC"), hosts) == {"nodeC"}
+    assert classify(Outcome(2, 255, daemon_report_text("nodeC"))) == "runtime_start_failed"
+    # Without those headlines nothing is taken as lost, whatever else is printed.
     assert hosts_named_lost("Remote daemon: [x@0,2] on node nodeB", hosts) == frozenset()
 
 
@@ -173,7 +187,8 @@ policies = st.builds(
 @st.composite
 def outcomes(draw: st.DrawFn, hosts: tuple[Host, ...], nprocs: int) -> Outcome:
     ranks = st.frozensets(st.integers(0, nprocs - 1))
-    tail = draw(st.sampled_from(["", RUNTIME_START_FAILURE, "noise"] + [lost_daemon_text(h.name) for h in hosts] + [lost_daemon_text("elsewhere")]))
+    tail = draw(st.sampled_from(["", RUNTIME_START_FAILURE, "noise"] + [lost_daemon_text(h.name) for h in hosts]
+                               + [daemon_report_text(h.name) for h in hosts] + [lost_daemon_text("elsewhere")]))
     return Outcome(
         nprocs,
         draw(st.sampled_from([0, 1, 2, TOO_FEW_REPLICAS_STATUS, 70, 137])),
@@ -254,3 +269,73 @@ def test_backoff_grows_and_stays_bounded(policy: SupervisionPolicy, k: int) -> N
 def test_host_list_round_trips(hosts: tuple[Host, ...]) -> None:
     assert parse_host_list(host_arg(hosts)) == hosts
     assert parse_hostfile("\n".join(f"{h.name} slots={h.slots}" for h in hosts)) == hosts
+
+
+# ------------------------------------------------------------------------------ the launcher's side
+def test_resume_command_replaces_the_users_value_of_the_key() -> None:
+    from lightning_recover.launcher import DEFAULT_RESUME_ARG, resume_command
+
+    cmd = ["python", "pretrain.py", "ckpt_path=/old/step-3.ckpt", "seed=1", "+x=ckpt_path=1"]
+    assert resume_command(cmd, DEFAULT_RESUME_ARG) == ["python", "pretrain.py", "seed=1", "+x=ckpt_path=1", "++ckpt_path=last"]
+    assert resume_command(["python", "t.py", "--resume"], "--resume") == ["python", "t.py", "--resume", "--resume"]
+
+
+def test_build_command_places_the_job_on_the_hosts() -> None:
+    from lightning_recover.launcher import build_command
+
+    argv = build_command(4, ["x"], mpiexec="mpiexec", hosts="a:2,b:2", slots=4, cores=1)
+    assert argv[argv.index("--host") + 1] == "a:2,b:2" and "--oversubscribe" not in argv, "slots, not this machine's cores"
+    assert "--oversubscribe" in build_command(5, ["x"], mpiexec="mpiexec", hosts="a:2,b:2", slots=4)
+    assert "--oversubscribe" in build_command(2, ["x"], mpiexec="mpiexec", hosts="a:2", slots=2, oversubscribe=True)
+
+
+def test_remote_agent_is_mpiexecs() -> None:
+    from lightning_recover.launcher import remote_agent
+
+    assert remote_agent(["--prtemca", "plm_ssh_agent", "/h/agent.sh -q", "--bind-to", "none"]) == ["/h/agent.sh", "-q"]
+    assert remote_agent(["--bind-to", "none"])[0] == "ssh"
+
+
+def test_probe_never_probes_this_machine_and_reports_a_silent_host(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from lightning_recover.launcher import probe_unreachable
+
+    agent = tmp_path / "agent.sh"
+    agent.write_text('#!/bin/sh\n[ "$1" = up ] && exit 0\n[ "$1" = slow ] && sleep 30\nexit 255\n')
+    agent.chmod(0o755)
+    hosts = parse_host_list("localhost:2,up:2,down:2,slow:2")
+    assert probe_unreachable(hosts, ["--prtemca", "plm_ssh_agent", str(agent)], timeout_s=1.0) == {"down", "slow"}
+
+
+def test_slurm_allocation_from_scontrol(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from lightning_recover.launcher import slurm_allocation
+
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames n[1-3]" ] && printf "n1\\nn2\\nn3\\n" && exit 0\nexit 1\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    env = {"SLURM_JOB_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "2(x2),1"}
+    assert slurm_allocation(env) == (Host("n1", 2), Host("n2", 2), Host("n3", 1))
+    assert slurm_allocation({}) is None
+    with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE"):
+        slurm_allocation({"SLURM_JOB_NODELIST": "n[1-3]"})
+    with pytest.raises(ValueError, match="give --hosts explicitly"):
+        slurm_allocation({"SLURM_JOB_NODELIST": "m[1-3]", "SLURM_TASKS_PER_NODE": "1"})
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["--supervise"], "--supervise needs --checkpoint-dir"),
+     (["--supervise", "--checkpoint-dir", "d", "--stall-timeout", "5"], "--stall-timeout 5.0 needs --ledger"),
+     (["--supervise", "--checkpoint-dir", "d", "--max-relaunches", "-1"], "--max-relaunches must be an integer >= 0"),
+     (["--supervise", "--checkpoint-dir", "d", "--hosts", "a:x"], "slots 'x' is not a number"),
+     (["--supervise", "--checkpoint-dir", "d", "--hosts", "a:1"], "needs more slots than the hosts have"),
+     (["--supervise", "--checkpoint-dir", "d", "--hostfile", "/no/such/file"], "--hostfile '/no/such/file' cannot be read"),
+     (["--supervise", "--checkpoint-dir", "d", "--replica-size", "2"], "-n 3 is not a positive multiple of the replica size 2")],
+)
+def test_supervise_usage_errors_exit_2_naming_the_fix(args: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
+    from lightning_recover import cli
+
+    n = "3" if "--replica-size" in args else "2"
+    assert cli.main(["launch", "-n", n, *args, "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.startswith("lightning-recover launch: "), err

@@ -8,6 +8,7 @@
 * ``raise``: every attempt leaves as a rank whose program raised (marker, then SIGKILL,
   as lightning_recover.lifecycle's crash hook does).
 * ``die``: every attempt is killed by a signal after its communicator would be up.
+* ``finish``: ends normally.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ if mode == "stall":
 elif mode == "raise":
     mark_status("raised", rank, "ValueError\nValueError: bad lr\n")
     os.kill(os.getpid(), signal.SIGKILL)
+elif mode == "finish":
+    mark_status("ok", rank)
 elif mode == "die":
     os.kill(os.getpid(), signal.SIGKILL)
 else:
