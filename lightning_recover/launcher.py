@@ -171,6 +171,7 @@ def run_supervised(
     stdout: object = None,
     stderr: object = None,
     watch: Callable[[], str | None] | None = None,
+    on_signal: Callable[[int], None] | None = None,
 ) -> int:
     """Run ``mpiexec`` in its own session and return its status (see the module docstring).
 
@@ -178,7 +179,7 @@ def run_supervised(
     ``timeout_s`` ends the job and raises ``subprocess.TimeoutExpired``. ``watch`` is
     called every poll; when it returns a reason, the job is ended and the status is
     :data:`STALLED_STATUS` (the supervisor's stall watchdog). Ctrl-C and SIGTERM are
-    forwarded to the whole job.
+    forwarded to the whole job, and reported to ``on_signal``.
     """
     proc = subprocess.Popen(
         list(argv), env=dict(env) if env is not None else None, stdout=stdout, stderr=stderr, start_new_session=True
@@ -191,6 +192,8 @@ def run_supervised(
             pass
 
     def forward(signum: int, _frame: object) -> None:
+        if on_signal is not None:
+            on_signal(signum)
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
@@ -590,13 +593,14 @@ def supervise(
                     return f"supervise: stall watchdog: no committed step for {quiet:.0f} s (> --stall-timeout {stall_timeout_s:g}; ledger {ledger})"
                 return None
 
+            interrupted: list[int] = []
             pipes = [os.pipe(), os.pipe()]
             tees = [_Tee(r, sink) for (r, _), sink in zip(pipes, (sys.stdout, sys.stderr))]
             for t in tees:
                 t.start()
             try:
                 status = run_supervised(argv, env, nprocs=plan.nprocs if local else None, watch=watch,
-                                        stdout=pipes[0][1], stderr=pipes[1][1])
+                                        stdout=pipes[0][1], stderr=pipes[1][1], on_signal=interrupted.append)
             finally:
                 for _, w in pipes:
                     os.close(w)
@@ -604,6 +608,12 @@ def supervise(
                     t.join(10)  # a rank elsewhere that still holds the pipe must not hold the supervisor
             t_end = time.time()
             progress.poll()
+            if interrupted:
+                # The user (Ctrl-C) or the scheduler (SIGTERM: a cancelled or timed-out Slurm job) ended
+                # the job: that is a decision, not a failure to repair.
+                name = signal.Signals(interrupted[0]).name
+                say(f"[lightning-recover] supervise: the job was ended by {name}; not relaunching")
+                return 128 + interrupted[0]
             markers = JobMarkers.read(status_dir)
             tail = b"".join(t.tail for t in tees).decode("utf-8", "replace")
             outcome = Outcome(
@@ -654,6 +664,10 @@ def supervise(
                 f"in {decision.backoff_s:.1f} s: {decision.plan.nprocs} rank(s) on {host_arg(decision.plan.hosts)} from {source}; "
                 f"time lost so far {so_far:.1f} s (detection {detection:.1f} s, {replayed} step(s) to replay)"
             )
-            time.sleep(decision.backoff_s)
+            try:
+                time.sleep(decision.backoff_s)
+            except KeyboardInterrupt:
+                say("[lightning-recover] supervise: interrupted while waiting to relaunch; not relaunching")
+                return 128 + int(signal.SIGINT)
             plan = decision.plan
             relaunches += 1

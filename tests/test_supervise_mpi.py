@@ -95,6 +95,21 @@ def test_relaunches_are_bounded_and_program_errors_are_not_relaunched(tmp_path: 
 
 
 @pytest.mark.mpi
+def test_sigterm_to_the_supervisor_ends_the_job_without_a_relaunch(tmp_path: Path) -> None:
+    # A cancelled (or timed-out) Slurm job gets SIGTERM: that ends the job, it is no failure to repair.
+    ledger = tmp_path / "ledger.jsonl"
+    job = _supervise(["-n", "1", "--supervise", "--checkpoint-dir", str(tmp_path), "--relaunch-backoff", "0.1"],
+                     [WORKER, "stall", str(ledger)])
+    deadline = time.monotonic() + 30
+    while _committed(ledger) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    rc, _, err = _finish(job, timeout=30)
+    assert rc == 128 + signal.SIGTERM, err[-3000:]
+    assert _lines(err, "the job was ended by SIGTERM; not relaunching") and not _lines(err, "relaunch 1/"), err[-3000:]
+
+
+@pytest.mark.mpi
 def test_a_host_whose_daemon_never_came_up_is_dropped_and_the_job_runs_on_the_rest(tmp_path: Path) -> None:
     # 'ghost' does not resolve: PRRTE's daemon there never reports back and prterun names the
     # host. The relaunch leaves it out and fits whole replicas into the remaining slot.
