@@ -12,6 +12,13 @@ supervisor saw all N of them) and none is left while ``mpiexec`` lingers past a 
 period, the supervisor ends the job's process group and returns :data:`ABORTED_STATUS`,
 so a crashed job fails instead of hanging. (On several hosts the rule is off: ranks
 elsewhere may still be training.)
+
+With ``--supervise`` (:func:`supervise`) it also outlives the job: when a job ends in a
+way no rank can repair in place (PRRTE aborted it after losing a host's daemon, every
+replica died, its ledger stopped growing, it stopped below min_replicas), the same
+command is relaunched from the newest checkpoint (``++ckpt_path=last`` appended) on the
+hosts that remain, a bounded number of times; :mod:`lightning_recover.supervision`
+decides, this module runs, probes and measures.
 """
 
 from __future__ import annotations
