@@ -72,6 +72,9 @@ def _launch(argv: list[str]) -> int:
     sup.add_argument("--relaunch-backoff", type=float, default=1.0, metavar="SECONDS", help="wait before the first relaunch, doubling (max 60 s)")
     sup.add_argument("--resume-arg", default=DEFAULT_RESUME_ARG, metavar="ARG",
                      help=f"appended to CMD on a relaunch when a checkpoint exists (default {DEFAULT_RESUME_ARG!r})")
+    sup.add_argument("--status-dir", metavar="DIR",
+                     help="where the ranks leave their status markers (default: a temporary directory here); "
+                     "on several hosts give a directory every host shares")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -107,6 +110,7 @@ def _launch(argv: list[str]) -> int:
         return supervise(
             args.nprocs, command, policy=policy, checkpoint_dir=args.checkpoint_dir, hosts=hosts, ledger=args.ledger,
             resume_arg=args.resume_arg, stall_timeout_s=args.stall_timeout, hang_timeout=detector, extra=args.mpi_arg,
+            status_root=args.status_dir,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"lightning-recover launch: {exc}", file=sys.stderr)

@@ -549,6 +549,7 @@ def supervise(
     hang_timeout: float | None = None,
     extra: Sequence[str] = (),
     probe: Callable[[Sequence[Host], Sequence[str]], frozenset[str]] = probe_unreachable,
+    status_root: str | None = None,
 ) -> int:
     """``lightning-recover launch --supervise``: run the job; relaunch it from the newest checkpoint when it
     ends in a way a relaunch can cure; return its final status.
@@ -563,6 +564,9 @@ def supervise(
     with ``stall_timeout_s`` an attempt whose ledger gains no step for that long (counted
     from its start, so it must exceed start-up, restore and the slowest step with its
     checkpoint write) is ended and judged "stalled". ``hosts`` None: this machine only.
+    ``status_root``: where the attempts' status directories go (default: a temporary
+    directory here); on several hosts it must be a directory every host shares, or the
+    markers of ranks elsewhere are lost.
     """
     import tempfile
 
@@ -576,7 +580,9 @@ def supervise(
     pending: dict[str, Any] | None = None  # the relaunch whose cost the next attempt completes
     relaunches = 0
     env_base = launch_env()
-    with tempfile.TemporaryDirectory(prefix="lightning-recover-supervise-") as root:
+    if status_root is not None:
+        os.makedirs(status_root, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="lightning-recover-supervise-", dir=status_root) as root:
         while True:
             status_dir = os.path.join(root, f"attempt-{relaunches}")
             os.makedirs(status_dir)

@@ -62,7 +62,7 @@ def test_stall_watchdog_ends_a_hung_job_and_the_relaunch_resumes(tmp_path: Path)
     ledger = tmp_path / "ledger.jsonl"
     rc, out, err = _finish(
         _supervise(["-n", "1", "--supervise", "--checkpoint-dir", str(ck), "--ledger", str(ledger), "--stall-timeout", "3",
-                    "--relaunch-backoff", "0.1"], [WORKER, "stall", str(ledger)]),
+                    "--relaunch-backoff", "0.1", "--status-dir", str(tmp_path / "shared")], [WORKER, "stall", str(ledger)]),
         timeout=60,
     )
     detail = f"rc={rc}\n{err[-4000:]}"
@@ -75,6 +75,8 @@ def test_stall_watchdog_ends_a_hung_job_and_the_relaunch_resumes(tmp_path: Path)
     assert _lines(err, "the job finished after 1 relaunch(es)"), detail
     (cost,) = _lines(err, "relaunch 1 cost")
     assert "replay 1.0 s (2 step(s) since the checkpoint)" in cost, cost
+    # The markers went to --status-dir (the worker's ok marker there is what made attempt 2 "done"), cleaned up after.
+    assert (tmp_path / "shared").is_dir() and not list((tmp_path / "shared").iterdir())
 
 
 @pytest.mark.mpi
