@@ -628,13 +628,13 @@ def supervise(
                 say(f"[lightning-recover] supervise: the job was ended by {name}; not relaunching")
                 return 128 + interrupted[0]
             markers = JobMarkers.read(status_dir)
-            tail = b"".join(t.tail for t in tees).decode("utf-8", "replace")
+            tail = b"\n".join(t.tail for t in tees).decode("utf-8", "replace")
             outcome = Outcome(
                 plan.nprocs, status, tail, started=frozenset(markers.started), ok=frozenset(markers.ok),
                 exited=frozenset(markers.ended - markers.ok), raised={r: s for r, (_, s) in markers.raised.items()},
                 stalled=status == STALLED_STATUS,
             )
-            if pending is not None:  # this attempt was a relaunch: how long until it was back
+            if pending is not None and ledger is not None:  # this attempt was a relaunch: how long until it was back
                 started = _started_at(status_dir)
                 first = progress.first_after(started) if started is not None else None
                 own = _ledger_times(ledger).get(pending["resume_step"] or 0, 0.0)
@@ -655,8 +655,8 @@ def supervise(
                     status, words = final_words(markers, plan.nprocs, status)
                     if words is not None:
                         say(f"[lightning-recover] {words}")
-                    say(f"[lightning-recover] supervise: {took}: the job finished after {relaunches} relaunch(es); "
-                        f"time lost to failures {lost:.1f} s")
+                    measured = f"time lost to failures {lost:.1f} s" if ledger is not None else "give --ledger to measure the time lost"
+                    say(f"[lightning-recover] supervise: {took}: the job finished after {relaunches} relaunch(es); {measured}")
                 else:
                     status, words = final_words(markers, plan.nprocs, status)
                     status = status or 1
@@ -672,10 +672,14 @@ def supervise(
             pending = {"ended": t_end, "detection_s": detection, "resume_step": resume_step, "replayed": replayed, "replay_s": replay_s}
             so_far = sum(c.total_s for c in costs) + detection + replay_s
             source = f"checkpoint {resume}" if resume is not None else "the start (no checkpoint yet)"
+            lost_line = (
+                f"time lost so far {so_far:.1f} s (detection {detection:.1f} s, {replayed} step(s) to replay)"
+                if ledger is not None else "give --ledger to measure the time lost"
+            )
             say(
                 f"[lightning-recover] supervise: {took}: {decision.reason}; relaunch {relaunches + 1}/{policy.max_relaunches} "
                 f"in {decision.backoff_s:.1f} s: {decision.plan.nprocs} rank(s) on {host_arg(decision.plan.hosts)} from {source}; "
-                f"time lost so far {so_far:.1f} s (detection {detection:.1f} s, {replayed} step(s) to replay)"
+                f"{lost_line}"
             )
             try:
                 time.sleep(decision.backoff_s)

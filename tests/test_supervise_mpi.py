@@ -90,6 +90,7 @@ def test_relaunches_are_bounded_and_program_errors_are_not_relaunched(tmp_path: 
     (verdict,) = _lines(err, "giving up")
     assert "every replica died" in verdict and "all 2 relaunch(es) are spent" in verdict and "--max-relaunches" in verdict
     assert "from the start (no checkpoint yet)" in _lines(err, "relaunch 1/2")[0]
+    assert "give --ledger to measure the time lost" in _lines(err, "relaunch 1/2")[0] and not _lines(err, "cost")
     rc, _, err = _finish(raised, timeout=60)
     assert rc != 0 and not _lines(err, "relaunch 1/"), err[-4000:]
     (verdict,) = _lines(err, "giving up")
