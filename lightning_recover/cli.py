@@ -12,12 +12,32 @@ import sys
 from collections.abc import Callable
 
 
+SUPERVISE_HELP = """\
+supervised mode (--supervise): when the job ends in a way no rank can repair in place -- Open
+MPI's runtime lost a host's daemon and aborted the whole job (mpiexec still says 0), every
+replica died, the ledger stopped growing for --stall-timeout seconds, or the job stopped below
+min_replicas -- the same command is relaunched from the newest checkpoint in --checkpoint-dir,
+with RESUME_ARG (default '++ckpt_path=last') appended (replacing the command's own value of that
+key), on the hosts that remain: --hosts/--hostfile (or the Slurm allocation's nodes) minus every
+host PRRTE named as lost or that does not answer a probe through mpiexec's ssh agent. A
+relaunch takes as many whole replicas (--replica-size ranks each) as the slots hold, at most
+-n; B and the sample order come from the checkpoint, so the ledger continues the fault-free
+run. At most --max-relaunches relaunches, waiting --relaunch-backoff seconds (doubling) before
+each. Ranks see LIGHTNING_RECOVER_ATTEMPT (0 = first launch). A program error (an uncaught
+exception, a configuration error) is never relaunched. With --ledger the time each relaunch
+lost is printed (detection, relaunch, restore, replay since the checkpoint).
+"""
+
+
 def _launch(argv: list[str]) -> int:
-    from lightning_recover.launcher import launch
+    from lightning_recover.launcher import DEFAULT_RESUME_ARG, launch, slurm_allocation, supervise
+    from lightning_recover.supervision import SupervisionPolicy, parse_host_list, parse_hostfile
 
     parser = argparse.ArgumentParser(
         prog="lightning-recover launch",
         description="Run CMD on N ranks under 'mpiexec --with-ft ulfm' (prints the command it runs).",
+        epilog=SUPERVISE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("-n", "--nprocs", type=int, required=True, help="number of MPI ranks (replicas x shards)")
     parser.add_argument(
@@ -35,6 +55,26 @@ def _launch(argv: list[str]) -> int:
         "node runs a single rank, but seen to crash at start-up beside torch in Open MPI 5.0.11",
     )
     parser.add_argument("--mpi-arg", action="append", default=[], help="extra argument passed to mpiexec (repeatable)")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--hosts", metavar="H1:S1,H2:S2", help="hosts and their slots (mpiexec --host); default: this machine")
+    where.add_argument("--hostfile", metavar="FILE", help="an Open MPI hostfile ('node slots=N' per line)")
+    sup = parser.add_argument_group("supervised relaunch (see below)")
+    sup.add_argument("--supervise", action="store_true", help="relaunch from the newest checkpoint when the job aborts, dies or stalls")
+    sup.add_argument("--checkpoint-dir", metavar="DIR", help="where the job writes its checkpoints (recover.checkpoint.dir); required with --supervise")
+    sup.add_argument("--ledger", metavar="FILE", help="the job's step ledger (recover.ledger_path): progress for --stall-timeout, and the cost report")
+    sup.add_argument("--max-relaunches", type=int, default=3, metavar="K", help="relaunches at most (default 3)")
+    sup.add_argument("--replica-size", type=int, default=1, metavar="S", help="ranks per replica (recover.shards; default 1)")
+    sup.add_argument("--min-replicas", type=int, default=1, metavar="M", help="give up when the remaining slots hold fewer replicas (default 1)")
+    sup.add_argument("--oversubscribe", action="store_true", help="a relaunch keeps -n ranks even when the remaining hosts have fewer slots")
+    sup.add_argument("--stall-timeout", type=float, default=None, metavar="SECONDS",
+                     help="end and relaunch an attempt whose --ledger gains no step this long (counted from its start; "
+                     "must exceed start-up + restore + the slowest step and checkpoint write). Default: off")
+    sup.add_argument("--relaunch-backoff", type=float, default=1.0, metavar="SECONDS", help="wait before the first relaunch, doubling (max 60 s)")
+    sup.add_argument("--resume-arg", default=DEFAULT_RESUME_ARG, metavar="ARG",
+                     help=f"appended to CMD on a relaunch when a checkpoint exists (default {DEFAULT_RESUME_ARG!r})")
+    sup.add_argument("--status-dir", metavar="DIR",
+                     help="where the ranks leave their status markers (default: a temporary directory here); "
+                     "on several hosts give a directory every host shares")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -45,7 +85,33 @@ def _launch(argv: list[str]) -> int:
         os.environ["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{args.hang_timeout:g}"
     detector = args.hang_timeout if args.mpi_detector and args.hang_timeout else None
     try:
-        return launch(args.nprocs, command, hang_timeout=detector, extra=args.mpi_arg)
+        hosts = None
+        if args.hosts is not None:
+            hosts = parse_host_list(args.hosts)
+        elif args.hostfile is not None:
+            try:
+                with open(args.hostfile, encoding="utf-8") as f:
+                    hosts = parse_hostfile(f.read(), args.hostfile)
+            except OSError as exc:
+                raise ValueError(f"--hostfile {args.hostfile!r} cannot be read ({exc.strerror or exc})") from None
+        elif args.supervise:
+            hosts = slurm_allocation()  # None outside Slurm: this machine
+        if not args.supervise:
+            extra = list(args.mpi_arg)
+            if hosts is not None:
+                extra = ["--host", ",".join(str(h) for h in hosts), *extra]
+            return launch(args.nprocs, command, hang_timeout=detector, extra=extra)
+        if args.checkpoint_dir is None:
+            raise ValueError("--supervise needs --checkpoint-dir DIR (the job's recover.checkpoint.dir), where a relaunch resumes from")
+        policy = SupervisionPolicy(
+            max_relaunches=args.max_relaunches, replica_size=args.replica_size, min_replicas=args.min_replicas,
+            oversubscribe=args.oversubscribe, backoff_s=args.relaunch_backoff, max_backoff_s=max(60.0, args.relaunch_backoff),
+        )
+        return supervise(
+            args.nprocs, command, policy=policy, checkpoint_dir=args.checkpoint_dir, hosts=hosts, ledger=args.ledger,
+            resume_arg=args.resume_arg, stall_timeout_s=args.stall_timeout, hang_timeout=detector, extra=args.mpi_arg,
+            status_root=args.status_dir,
+        )
     except (ValueError, FileNotFoundError) as exc:
         print(f"lightning-recover launch: {exc}", file=sys.stderr)
         return 2

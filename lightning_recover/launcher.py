@@ -12,12 +12,21 @@ supervisor saw all N of them) and none is left while ``mpiexec`` lingers past a 
 period, the supervisor ends the job's process group and returns :data:`ABORTED_STATUS`,
 so a crashed job fails instead of hanging. (On several hosts the rule is off: ranks
 elsewhere may still be training.)
+
+With ``--supervise`` (:func:`supervise`) it also outlives the job: when a job ends in a
+way no rank can repair in place (PRRTE aborted it after losing a host's daemon, every
+replica died, its ledger stopped growing, it stopped below min_replicas), the same
+command is relaunched from the newest checkpoint (``++ckpt_path=last`` appended) on the
+hosts that remain, a bounded number of times; :mod:`lightning_recover.supervision`
+decides, this module runs, probes and measures.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -25,8 +34,24 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_recover.supervision import (
+    RELAUNCHABLE,
+    Host,
+    Outcome,
+    RelaunchCost,
+    SupervisionPolicy,
+    checkpoint_step,
+    classify,
+    decide,
+    first_plan,
+    host_arg,
+    replayed_steps,
+    slurm_hosts,
+)
 
 #: ULFM failure-detector settings: a rank silent for ``timeout`` seconds is declared dead.
 def detector_flags(hang_timeout: float) -> list[str]:
@@ -66,17 +91,29 @@ def build_command(
     cores: int | None = None,
     mpiexec: str | None = None,
     extra: Sequence[str] = (),
+    hosts: str | None = None,
+    slots: int | None = None,
+    oversubscribe: bool = False,
 ) -> list[str]:
-    """The full ``mpiexec`` argv for ``nprocs`` ranks running ``command``."""
+    """The full ``mpiexec`` argv for ``nprocs`` ranks running ``command``.
+
+    ``hosts`` (mpiexec's ``--host`` value, ``node1:2,node2:2``) with their total ``slots``
+    places the job on those hosts; without it the job runs on this machine. Ranks beyond
+    the slots (the cores here) get ``--oversubscribe``, as does ``oversubscribe=True``.
+    """
     if nprocs < 1:
         raise ValueError(f"-n must be >= 1, got {nprocs}")
     if not command:
         raise ValueError("no command given; usage: lightning-recover launch -n N -- python train.py ...")
     cores = cores if cores is not None else (os.cpu_count() or 1)
+    if hosts is not None:
+        cores = slots if slots is not None else nprocs
     # --with-ft marks only the launched job recoverable; without the prtemca a replacement rank
     # (hot re-join spawns them) that dies or exits without MPI_Finalize would end the whole job.
     argv = [mpiexec or find_mpiexec(), "--with-ft", "ulfm", *RECOVERABLE_SPAWNS, "-n", str(nprocs)]
-    if nprocs > cores:
+    if hosts is not None:
+        argv += ["--host", hosts]
+    if nprocs > cores or oversubscribe:
         argv.append("--oversubscribe")
     if hang_timeout is not None:
         argv += detector_flags(hang_timeout)
@@ -105,6 +142,8 @@ def launch_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
 
 #: Exit status when the supervisor had to end a job whose ranks were all gone.
 ABORTED_STATUS = 70
+#: Exit status when the supervisor's stall watchdog ended a job that made no progress.
+STALLED_STATUS = 124
 #: What Open MPI 5 prints when its runtime failed to start at all (a PMIx listener race, also
 #: seen in other projects' CI): no rank ran, so a harness may launch such a job once more.
 RUNTIME_START_FAILURE = "The PMIx server's listener thread failed to start"
@@ -138,12 +177,16 @@ def run_supervised(
     timeout_s: float | None = None,
     stdout: object = None,
     stderr: object = None,
+    watch: Callable[[], str | None] | None = None,
+    on_signal: Callable[[int], None] | None = None,
 ) -> int:
     """Run ``mpiexec`` in its own session and return its status (see the module docstring).
 
     With ``nprocs`` the stuck-abort rule is armed once that many local ranks were seen.
-    ``timeout_s`` ends the job and raises ``subprocess.TimeoutExpired``. Ctrl-C and SIGTERM
-    are forwarded to the whole job.
+    ``timeout_s`` ends the job and raises ``subprocess.TimeoutExpired``. ``watch`` is
+    called every poll; when it returns a reason, the job is ended and the status is
+    :data:`STALLED_STATUS` (the supervisor's stall watchdog). Ctrl-C and SIGTERM are
+    forwarded to the whole job, and reported to ``on_signal``.
     """
     proc = subprocess.Popen(
         list(argv), env=dict(env) if env is not None else None, stdout=stdout, stderr=stderr, start_new_session=True
@@ -156,6 +199,8 @@ def run_supervised(
             pass
 
     def forward(signum: int, _frame: object) -> None:
+        if on_signal is not None:
+            on_signal(signum)
         try:
             os.killpg(proc.pid, signum)
         except ProcessLookupError:
@@ -184,6 +229,12 @@ def run_supervised(
                     kill_group()
                     proc.wait()
                     return ABORTED_STATUS
+            reason = watch() if watch is not None else None
+            if reason is not None and proc.poll() is None:
+                print(f"[lightning-recover] {reason}; ending the job", file=sys.stderr, flush=True)
+                kill_group()
+                proc.wait()
+                return STALLED_STATUS
             if deadline is not None and now > deadline:
                 kill_group()
                 proc.wait()
@@ -317,3 +368,323 @@ def launch(nprocs: int, command: Sequence[str], hang_timeout: float | None = Non
     if words is not None:
         print(f"[lightning-recover] {words}", file=sys.stderr, flush=True)
     return status
+
+
+# ---------------------------------------------------------------------- supervised relaunch
+#: The attempt a supervised job's ranks belong to (0: the first launch, k: the k-th relaunch).
+ENV_ATTEMPT = "LIGHTNING_RECOVER_ATTEMPT"
+#: What a relaunch appends to the user's command when a checkpoint exists: Hydra's override that
+#: makes examples/pretrain.py (and any script with a ``ckpt_path`` setting) resume from the newest
+#: complete checkpoint in recover.checkpoint.dir. ``++`` adds the key or overrides it.
+DEFAULT_RESUME_ARG = "++ckpt_path=last"
+#: The fallback checkpoint pointer (lightning_recover.callbacks.checkpoint.POINTER; not imported:
+#: that module loads Lightning, and the launcher must stay light).
+_POINTER = "last.ckpt"
+#: How much of mpiexec's output the supervisor keeps to read PRRTE's messages from.
+_TAIL_BYTES = 64 * 1024
+_OVERRIDE_KEY = re.compile(r"^[+~]*([A-Za-z_][\w.\-/]*)=")
+
+
+def resume_command(command: Sequence[str], resume_arg: str) -> list[str]:
+    """``command`` with ``resume_arg`` appended, replacing the user's own value of the same Hydra key.
+
+    ``resume_arg`` of the form ``[+]KEY=VALUE`` (Hydra's override syntax) first drops any
+    ``KEY=...``, ``+KEY=...`` or ``++KEY=...`` already in the command, since Hydra refuses
+    a key given twice; any other ``resume_arg`` (``--resume``) is appended as it is.
+    """
+    m = _OVERRIDE_KEY.match(resume_arg)
+    kept = list(command)
+    if m is not None:
+        key = m.group(1)
+        kept = [a for a in command if (k := _OVERRIDE_KEY.match(a)) is None or k.group(1) != key]
+    return [*kept, resume_arg]
+
+
+def newest_checkpoint(directory: str | os.PathLike[str]) -> str | None:
+    """The file ``directory/last.ckpt`` names (the newest complete fallback checkpoint), or None."""
+    pointer = os.path.join(os.fspath(directory), _POINTER)
+    return os.path.realpath(pointer) if os.path.exists(pointer) else None
+
+
+def local_host_names() -> frozenset[str]:
+    """Names under which this machine may appear in a host list (never probed: the supervisor runs here)."""
+    import socket
+
+    names = {"localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()}
+    return frozenset(names | {n.split(".", 1)[0] for n in names})
+
+
+def remote_agent(extra: Sequence[str]) -> list[str]:
+    """The command mpiexec reaches other hosts with: its ``plm_ssh_agent`` when given in ``extra``, else ssh."""
+    for i, arg in enumerate(extra[:-1]):
+        if arg in ("--prtemca", "--mca") and i + 2 < len(extra) and extra[i + 1] == "plm_ssh_agent":
+            return shlex.split(extra[i + 2])
+    return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5"]
+
+
+def probe_unreachable(hosts: Sequence[Host], extra: Sequence[str] = (), timeout_s: float = 15.0) -> frozenset[str]:
+    """The hosts that do not run ``true`` through mpiexec's remote agent within ``timeout_s`` (in parallel).
+
+    This machine's own names are never probed. A host that answers may still have lost its
+    daemon; a relaunch places a new one there, which is what PRRTE needs.
+    """
+    agent = remote_agent(extra)
+    local = local_host_names()
+    result: dict[str, bool] = {}
+
+    def one(name: str) -> None:
+        try:
+            done = subprocess.run([*agent, name, "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, timeout=timeout_s)
+            result[name] = done.returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            result[name] = False
+
+    threads = [threading.Thread(target=one, args=(h.name,), daemon=True) for h in hosts if h.name not in local]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s + 5)
+    return frozenset(h.name for h in hosts if h.name not in local and not result.get(h.name, False))
+
+
+def slurm_allocation(env: Mapping[str, str] | None = None) -> tuple[Host, ...] | None:
+    """The hosts of the Slurm allocation this runs in (``scontrol show hostnames``), or None outside one.
+
+    Slots per host come from ``SLURM_TASKS_PER_NODE`` (else ``SLURM_JOB_CPUS_PER_NODE``).
+    """
+    env = os.environ if env is None else env
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        return None
+    per_node = env.get("SLURM_TASKS_PER_NODE") or env.get("SLURM_JOB_CPUS_PER_NODE")
+    if not per_node:
+        raise ValueError("inside a Slurm allocation without SLURM_TASKS_PER_NODE or SLURM_JOB_CPUS_PER_NODE; give --hosts explicitly")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ValueError(f"'scontrol show hostnames {nodelist}' failed ({exc}); give --hosts explicitly") from None
+    return slurm_hosts(out.split(), per_node)
+
+
+class _Tee(threading.Thread):
+    """Copies one of mpiexec's output pipes to our own stream and keeps its tail (for PRRTE's messages)."""
+
+    def __init__(self, fd: int, sink: object) -> None:
+        super().__init__(daemon=True)
+        self.fd, self.sink, self.tail = fd, sink, b""
+
+    def run(self) -> None:
+        out = getattr(self.sink, "buffer", None)
+        while chunk := os.read(self.fd, 65536):
+            self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
+            try:
+                if out is not None:
+                    out.write(chunk)
+                else:
+                    self.sink.write(chunk.decode("utf-8", "replace"))  # type: ignore[attr-defined]
+                self.sink.flush()  # type: ignore[attr-defined]
+            except (OSError, ValueError):
+                pass
+        os.close(self.fd)
+
+
+class _Progress:
+    """Committed steps seen as changes of the ledger file's mtime after ``since`` (the attempt's start)."""
+
+    def __init__(self, ledger: str | None, since: float) -> None:
+        self.ledger, self.since, self.changes = ledger, since, []  # type: ignore[var-annotated]
+
+    def poll(self) -> None:
+        if self.ledger is None:
+            return
+        try:
+            mtime = os.stat(self.ledger).st_mtime
+        except OSError:
+            return
+        if mtime > self.since and (not self.changes or mtime > self.changes[-1]):
+            self.changes.append(mtime)
+
+    @property
+    def last(self) -> float | None:
+        return self.changes[-1] if self.changes else None
+
+    def first_after(self, t: float) -> float | None:
+        return next((m for m in self.changes if m > t), None)
+
+
+def _ledger_times(path: str | None) -> dict[int, float]:
+    """step -> step_time_s of a ledger (a line cut short by a kill is skipped)."""
+    times: dict[int, float] = {}
+    if path is None or not os.path.exists(path):
+        return times
+    import json
+
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+                times[int(rec["step"])] = float(rec.get("step_time_s", 0.0))
+            except (ValueError, KeyError, TypeError):
+                continue
+    return times
+
+
+def _started_at(status_dir: str) -> float | None:
+    """When the last rank of an attempt had its communicator up (the newest ``started`` marker)."""
+    times = [os.stat(os.path.join(status_dir, n)).st_mtime for n in os.listdir(status_dir) if n.startswith("started.")]
+    return max(times) if times else None
+
+
+def supervise(
+    nprocs: int,
+    command: Sequence[str],
+    *,
+    policy: SupervisionPolicy,
+    checkpoint_dir: str,
+    hosts: Sequence[Host] | None = None,
+    ledger: str | None = None,
+    resume_arg: str = DEFAULT_RESUME_ARG,
+    stall_timeout_s: float | None = None,
+    hang_timeout: float | None = None,
+    extra: Sequence[str] = (),
+    probe: Callable[[Sequence[Host], Sequence[str]], frozenset[str]] = probe_unreachable,
+    status_root: str | None = None,
+) -> int:
+    """``lightning-recover launch --supervise``: run the job; relaunch it from the newest checkpoint when it
+    ends in a way a relaunch can cure; return its final status.
+
+    Every attempt runs ``command`` under mpiexec with a fresh status directory and
+    ``LIGHTNING_RECOVER_ATTEMPT`` set; a relaunch appends ``resume_arg`` when
+    ``checkpoint_dir`` holds a complete checkpoint (else it starts over). After each attempt
+    :func:`lightning_recover.supervision.decide` judges it from the ranks' markers and the
+    tail of mpiexec's output, the hosts :func:`probe_unreachable` cannot reach are dropped,
+    and one line says why and where the job goes next. With ``ledger`` the time each
+    relaunch lost is measured (:class:`~lightning_recover.supervision.RelaunchCost`), and
+    with ``stall_timeout_s`` an attempt whose ledger gains no step for that long (counted
+    from its start, so it must exceed start-up, restore and the slowest step with its
+    checkpoint write) is ended and judged "stalled". ``hosts`` None: this machine only.
+    ``status_root``: where the attempts' status directories go (default: a temporary
+    directory here); on several hosts it must be a directory every host shares, or the
+    markers of ranks elsewhere are lost.
+    """
+    import tempfile
+
+    if stall_timeout_s is not None and (ledger is None or not stall_timeout_s > 0):
+        raise ValueError(f"--stall-timeout {stall_timeout_s} needs --ledger (the file whose growth is progress) and a positive value")
+    local = hosts is None
+    # This machine alone: its slots are what the plain launcher allows (it oversubscribes past the cores).
+    plan = first_plan(policy, hosts if hosts is not None else (Host("localhost", max(nprocs, os.cpu_count() or 1)),), nprocs)
+    say = functools.partial(print, file=sys.stderr, flush=True)
+    costs: list[RelaunchCost] = []
+    pending: dict[str, Any] | None = None  # the relaunch whose cost the next attempt completes
+    relaunches = 0
+    env_base = launch_env()
+    if status_root is not None:
+        os.makedirs(status_root, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="lightning-recover-supervise-", dir=status_root) as root:
+        while True:
+            status_dir = os.path.join(root, f"attempt-{relaunches}")
+            os.makedirs(status_dir)
+            ckpt = newest_checkpoint(checkpoint_dir) if relaunches else None
+            cmd = resume_command(command, resume_arg) if ckpt is not None else list(command)
+            argv = build_command(
+                plan.nprocs, cmd, hang_timeout=hang_timeout, extra=extra, hosts=None if local else host_arg(plan.hosts),
+                slots=plan.slots, oversubscribe=policy.oversubscribe and not local,
+            )
+            say(f"[lightning-recover] supervise: attempt {relaunches + 1}: " + shlex.join(argv))
+            env = dict(env_base, **{ENV_STATUS_DIR: status_dir, ENV_ATTEMPT: str(relaunches)})
+            t_start = time.time()
+            progress = _Progress(ledger, t_start)
+
+            def watch() -> str | None:
+                progress.poll()
+                if stall_timeout_s is None:
+                    return None
+                quiet = time.time() - (progress.last or t_start)
+                if quiet > stall_timeout_s:
+                    return f"supervise: stall watchdog: no committed step for {quiet:.0f} s (> --stall-timeout {stall_timeout_s:g}; ledger {ledger})"
+                return None
+
+            interrupted: list[int] = []
+            pipes = [os.pipe(), os.pipe()]
+            tees = [_Tee(r, sink) for (r, _), sink in zip(pipes, (sys.stdout, sys.stderr))]
+            for t in tees:
+                t.start()
+            try:
+                status = run_supervised(argv, env, nprocs=plan.nprocs if local else None, watch=watch,
+                                        stdout=pipes[0][1], stderr=pipes[1][1], on_signal=interrupted.append)
+            finally:
+                for _, w in pipes:
+                    os.close(w)
+                for t in tees:
+                    t.join(10)  # a rank elsewhere that still holds the pipe must not hold the supervisor
+            t_end = time.time()
+            progress.poll()
+            if interrupted:
+                # The user (Ctrl-C) or the scheduler (SIGTERM: a cancelled or timed-out Slurm job) ended
+                # the job: that is a decision, not a failure to repair.
+                name = signal.Signals(interrupted[0]).name
+                say(f"[lightning-recover] supervise: the job was ended by {name}; not relaunching")
+                return 128 + interrupted[0]
+            markers = JobMarkers.read(status_dir)
+            tail = b"\n".join(t.tail for t in tees).decode("utf-8", "replace")
+            outcome = Outcome(
+                plan.nprocs, status, tail, started=frozenset(markers.started), ok=frozenset(markers.ok),
+                exited=frozenset(markers.ended - markers.ok), raised={r: s for r, (_, s) in markers.raised.items()},
+                stalled=status == STALLED_STATUS,
+            )
+            if pending is not None and ledger is not None:  # this attempt was a relaunch: how long until it was back
+                started = _started_at(status_dir)
+                first = progress.first_after(started) if started is not None else None
+                own = _ledger_times(ledger).get(pending["resume_step"] or 0, 0.0)
+                costs.append(RelaunchCost(
+                    pending["detection_s"],
+                    (started if started is not None else t_end) - pending["ended"],
+                    max(0.0, first - started - own) if first is not None and started is not None else float("nan"),
+                    pending["replayed"], pending["replay_s"],
+                ))
+                pending = None
+            cause = classify(outcome)
+            unreachable = probe(plan.hosts, extra) if cause in RELAUNCHABLE and not local else frozenset()
+            decision = decide(policy, plan, outcome, relaunches_done=relaunches, target_nprocs=nprocs, unreachable=unreachable)
+            took = f"attempt {relaunches + 1} ended after {t_end - t_start:.1f} s"
+            if decision.action != "relaunch":
+                lost = sum(c.total_s for c in costs)
+                if decision.action == "done":
+                    status, words = final_words(markers, plan.nprocs, status)
+                    if words is not None:
+                        say(f"[lightning-recover] {words}")
+                    measured = f"time lost to failures {lost:.1f} s" if ledger is not None else "give --ledger to measure the time lost"
+                    say(f"[lightning-recover] supervise: {took}: the job finished after {relaunches} relaunch(es); {measured}")
+                else:
+                    status, words = final_words(markers, plan.nprocs, status)
+                    status = status or 1
+                    say(f"[lightning-recover] supervise: {took}: giving up: {decision.reason}. Exit status {status}")
+                for i, c in enumerate(costs, 1):
+                    say(f"[lightning-recover] supervise: relaunch {i} cost {c.describe()}")
+                return status
+            assert decision.plan is not None
+            resume = newest_checkpoint(checkpoint_dir)
+            resume_step = checkpoint_step(os.path.basename(resume)) if resume is not None else None
+            replayed, replay_s = replayed_steps(_ledger_times(ledger), resume_step) if ledger else (0, 0.0)
+            detection = t_end - (progress.last or t_start)
+            pending = {"ended": t_end, "detection_s": detection, "resume_step": resume_step, "replayed": replayed, "replay_s": replay_s}
+            so_far = sum(c.total_s for c in costs) + detection + replay_s
+            source = f"checkpoint {resume}" if resume is not None else "the start (no checkpoint yet)"
+            lost_line = (
+                f"time lost so far {so_far:.1f} s (detection {detection:.1f} s, {replayed} step(s) to replay)"
+                if ledger is not None else "give --ledger to measure the time lost"
+            )
+            say(
+                f"[lightning-recover] supervise: {took}: {decision.reason}; relaunch {relaunches + 1}/{policy.max_relaunches} "
+                f"in {decision.backoff_s:.1f} s: {decision.plan.nprocs} rank(s) on {host_arg(decision.plan.hosts)} from {source}; "
+                f"{lost_line}"
+            )
+            try:
+                time.sleep(decision.backoff_s)
+            except KeyboardInterrupt:
+                say("[lightning-recover] supervise: interrupted while waiting to relaunch; not relaunching")
+                return 128 + int(signal.SIGINT)
+            plan = decision.plan
+            relaunches += 1
