@@ -252,6 +252,11 @@ def run_supervised(
 #: (holding the exception's type name, then its last traceback line); a rank killed by a
 #: signal writes none.
 ENV_STATUS_DIR = "LIGHTNING_RECOVER_STATUS_DIR"
+#: The job's status when ranks stopped for want of a quorum and none finished (EX_TEMPFAIL).
+NO_QUORUM_STATUS = 75
+#: How an ``exited.R`` marker starts when its rank stopped because its side of a failure lost
+#: the quorum (:func:`lightning_recover.lifecycle.quorum_exit`): the machines failed, not the program.
+QUORUM_MARKER = "no quorum"
 
 
 @dataclass
@@ -261,6 +266,7 @@ class JobMarkers:
     started: set[int] = field(default_factory=set)
     ended: set[int] = field(default_factory=set)  # ok or exited: the rank ended on purpose
     ok: set[int] = field(default_factory=set)  # ended with status 0
+    no_quorum: set[int] = field(default_factory=set)  # exited: its side of a cut had no quorum
     #: rank -> (exception type name, the traceback's last line)
     raised: dict[int, tuple[str, str]] = field(default_factory=dict)
 
@@ -278,6 +284,8 @@ class JobMarkers:
                 markers.ended.add(r)
                 if what == "ok":
                     markers.ok.add(r)
+                elif _read_text(os.path.join(directory, name)).startswith(QUORUM_MARKER):
+                    markers.no_quorum.add(r)
             elif what == "raised":
                 try:
                     with open(os.path.join(directory, name)) as f:
@@ -287,6 +295,14 @@ class JobMarkers:
                 kind = lines[0] if lines else "an exception"
                 markers.raised[r] = (kind, lines[1] if len(lines) > 1 else kind)
         return markers
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def _rank_list(ranks: Sequence[int]) -> str:
@@ -319,6 +335,14 @@ def final_words(markers: JobMarkers, nprocs: int, status: int) -> tuple[int, str
     When some ranks raised but others finished, the line notes the exception and the
     status stays. ``None``: nothing to add.
     """
+    if markers.no_quorum and not markers.ok:
+        # The side that stopped cannot know whether another side went on (it lost contact):
+        # only the ranks' files of a world that finished would say so, and none did here.
+        return NO_QUORUM_STATUS, (
+            f"{_rank_list(sorted(markers.no_quorum))} stopped for want of a quorum (a host lost or cut off "
+            "with half the replicas, the leader's among them) and no rank finished; relaunch from the newest "
+            f"checkpoint (ckpt_path=last), or let `lightning-recover launch --supervise` do it. Exit status {NO_QUORUM_STATUS}"
+        )
     failed = bool(markers.started or markers.raised) and not markers.ended
     if not failed:
         if markers.raised:
@@ -631,7 +655,7 @@ def supervise(
             tail = b"\n".join(t.tail for t in tees).decode("utf-8", "replace")
             outcome = Outcome(
                 plan.nprocs, status, tail, started=frozenset(markers.started), ok=frozenset(markers.ok),
-                exited=frozenset(markers.ended - markers.ok), raised={r: s for r, (_, s) in markers.raised.items()},
+                exited=frozenset(markers.ended - markers.ok), no_quorum=frozenset(markers.no_quorum), raised={r: s for r, (_, s) in markers.raised.items()},
                 stalled=status == STALLED_STATUS,
             )
             if pending is not None and ledger is not None:  # this attempt was a relaunch: how long until it was back

@@ -73,7 +73,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, NoReturn, TextIO
 
-from lightning_recover.launcher import ENV_STATUS_DIR
+from lightning_recover.launcher import ENV_STATUS_DIR, NO_QUORUM_STATUS, QUORUM_MARKER
 
 if TYPE_CHECKING:
     from lightning_recover.communicator import FaultTolerantComm
@@ -85,9 +85,9 @@ GATE_EXIT_CODE = 128 + int(GATE_SIGNAL)
 #: The words every gate exit prints on stderr (tests and users grep for them).
 GATE_MESSAGE = "replica-consistency gate"
 #: The exit status of a rank whose side of a cut lost the quorum (EX_TEMPFAIL: relaunch may help).
-QUORUM_EXIT_CODE = 75
+QUORUM_EXIT_CODE = NO_QUORUM_STATUS
 #: The words every quorum exit prints on stderr, and the start of its ``exited`` marker.
-QUORUM_MESSAGE = "no quorum"
+QUORUM_MESSAGE = QUORUM_MARKER
 #: How a rank with an uncaught exception leaves (see :func:`install_crash_hook`).
 CRASH_SIGNAL = signal.SIGKILL
 

@@ -10,7 +10,11 @@ job instead, and no code inside the job can prevent it:
 * **every replica died** (killed by signals, or lost with their nodes);
 * **a hang** no rank detects (an agreement that never returns, a partition without
   Open MPI's detector): the job's progress simply stops;
-* **a stop below min_replicas** (the strategy ends the job with status 3, by policy).
+* **a stop below min_replicas** (the strategy ends the job with status 3, by policy);
+* **no quorum** -- half the replicas, the leader's among them, lost to a cause the
+  survivors cannot verify (a lost or cut-off host): the quorum rule
+  (:mod:`lightning_recover.quorum`) stops the other half too (status 75), so that two
+  worlds never train at once.
 
 ``lightning-recover launch --supervise`` (:func:`lightning_recover.launcher.supervise`)
 runs the job, and when it ends this way relaunches the same command from the newest
@@ -32,7 +36,7 @@ Decision rules (:func:`decide`), in this order:
    A lost daemon named by PRRTE takes precedence over exceptions: ranks of an aborting
    job may raise on the way down.
 4. Otherwise (lost daemon, every replica died, the stall watchdog fired, a stop below
-   min_replicas, Open MPI's runtime failed to start) -> **relaunch** on the hosts that
+   min_replicas, a stop for want of quorum, Open MPI's runtime failed to start) -> **relaunch** on the hosts that
    remain: the previous hosts minus every host PRRTE named as lost (in its lost-daemon
    message, or as the host whose daemon never reported back at start-up) and every host
    the launcher's probe could not reach. A lost host never comes back within one supervision.
@@ -83,13 +87,16 @@ Cause = Literal[
     "stalled",  # the supervisor's stall watchdog ended the job: no progress for the stall timeout
     "died",  # ranks came up, none ended on purpose, none raised: every replica died
     "too_few_replicas",  # the job stopped itself below min_replicas (status 3)
+    "no_quorum",  # ranks stopped because their side of a failure lost the quorum (status 75)
     "runtime_start_failed",  # Open MPI's runtime (or a daemon) did not come up: no rank ran
     "raised",  # the program raised an uncaught exception and no rank finished
     "stopped",  # the program stopped on purpose with another status (e.g. 2, a configuration error)
     "not_started",  # no rank came up and the runtime did not say why: the command itself failed
 ]
 #: Causes that a relaunch can cure (the machines failed, or the job stopped by policy).
-RELAUNCHABLE: frozenset[Cause] = frozenset({"lost_daemon", "stalled", "died", "too_few_replicas", "runtime_start_failed"})
+RELAUNCHABLE: frozenset[Cause] = frozenset(
+    {"lost_daemon", "stalled", "died", "too_few_replicas", "no_quorum", "runtime_start_failed"}
+)
 
 
 @dataclass(frozen=True)
@@ -204,6 +211,7 @@ class Outcome:
     started: frozenset[int] = frozenset()
     ok: frozenset[int] = frozenset()
     exited: frozenset[int] = frozenset()
+    no_quorum: frozenset[int] = frozenset()  # of ``exited``: stopped by the quorum rule
     raised: Mapping[int, str] = field(default_factory=dict)
     stalled: bool = False
 
@@ -216,6 +224,9 @@ def classify(outcome: Outcome) -> Cause:
         return "lost_daemon"
     if outcome.stalled:
         return "stalled"
+    if outcome.no_quorum:
+        # Before "raised": a rank of the stopping side may raise on its way out.
+        return "no_quorum"
     if outcome.raised:
         return "raised"
     if outcome.exited:
@@ -322,6 +333,7 @@ _WHY: dict[Cause, str] = {
     "stalled": "no progress within the stall timeout (a hang); the supervisor ended the job",
     "died": "every replica died (killed by a signal or lost with its host)",
     "too_few_replicas": f"the job stopped below min_replicas (status {TOO_FEW_REPLICAS_STATUS})",
+    "no_quorum": "no side of the failure held a quorum (a lost or cut-off host with half the replicas and the leader)",
     "runtime_start_failed": "Open MPI's runtime did not start on every host",
     "raised": "the program raised an uncaught exception",
     "stopped": "the program stopped on purpose",

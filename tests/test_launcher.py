@@ -241,6 +241,16 @@ def _markers(tmp_path: Path, files: dict[str, str]) -> JobMarkers:
 BUG = "ValueError\nValueError: user bug 42\n"
 
 
+def test_a_job_stopped_for_want_of_quorum_fails_and_says_how_to_go_on(tmp_path: Path) -> None:
+    m = _markers(tmp_path, {"started.0": "", "started.1": "", "exited.0": "no quorum: 1 replica ties with 1", "exited.1": "no quorum: x"})
+    assert m.no_quorum == {0, 1}
+    status, words = final_words(m, 4, 0)
+    assert status == 75, "mpiexec says 0; a job that stopped for want of quorum did not finish"
+    assert words is not None and words.startswith("ranks 0, 1 stopped for want of a quorum") and "--supervise" in words
+    # A world that finished elsewhere is what counts: then the stopped side is only a note-free detail.
+    assert final_words(_markers(tmp_path, {"ok.2": "", "ok.3": ""}), 4, 0) == (0, None)
+
+
 def test_every_rank_raised_the_same_error(tmp_path: Path) -> None:
     m = _markers(tmp_path, {"started.0": "", "started.1": "", "raised.0": BUG, "raised.1": BUG, "printed.0123abcd": ""})
     assert m.raised == {0: ("ValueError", "ValueError: user bug 42"), 1: ("ValueError", "ValueError: user bug 42")}
