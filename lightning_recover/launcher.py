@@ -179,6 +179,7 @@ def run_supervised(
     stderr: object = None,
     watch: Callable[[], str | None] | None = None,
     on_signal: Callable[[int], None] | None = None,
+    finished: Callable[[], bool] | None = None,
 ) -> int:
     """Run ``mpiexec`` in its own session and return its status (see the module docstring).
 
@@ -186,7 +187,10 @@ def run_supervised(
     ``timeout_s`` ends the job and raises ``subprocess.TimeoutExpired``. ``watch`` is
     called every poll; when it returns a reason, the job is ended and the status is
     :data:`STALLED_STATUS` (the supervisor's stall watchdog). Ctrl-C and SIGTERM are
-    forwarded to the whole job, and reported to ``on_signal``.
+    forwarded to the whole job, and reported to ``on_signal``. When ``finished`` (the job's
+    last world ended and all its members left, :attr:`JobMarkers.finished`) holds for
+    ``grace_s`` while mpiexec still waits -- on the ranks of a frozen or cut-off host, which
+    it cannot reach and never gives up on -- the job is ended and the status is 0.
     """
     proc = subprocess.Popen(
         list(argv), env=dict(env) if env is not None else None, stdout=stdout, stderr=stderr, start_new_session=True
@@ -211,10 +215,22 @@ def run_supervised(
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        seen, empty_since = 0, None
+        seen, empty_since, done_since = 0, None, None
         while proc.poll() is None:
             time.sleep(0.25)
             now = time.monotonic()
+            if finished is not None:
+                done_since = (done_since or now) if finished() else None
+                if done_since is not None and now - done_since > grace_s and proc.poll() is None:
+                    print(
+                        "[lightning-recover] the job finished on every rank of its last world, but mpiexec keeps "
+                        "waiting on ranks it cannot reach (a frozen or cut-off host); ending it with status 0",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    kill_group()
+                    proc.wait()
+                    return 0
             if nprocs:
                 live = len(session_ranks(proc.pid))
                 seen = max(seen, live)
@@ -267,6 +283,7 @@ class JobMarkers:
     ended: set[int] = field(default_factory=set)  # ok or exited: the rank ended on purpose
     ok: set[int] = field(default_factory=set)  # ended with status 0
     no_quorum: set[int] = field(default_factory=set)  # exited: its side of a cut had no quorum
+    done: frozenset[int] | None = None  # the last world's members, from its leader's done marker
     #: rank -> (exception type name, the traceback's last line)
     raised: dict[int, tuple[str, str]] = field(default_factory=dict)
 
@@ -280,6 +297,10 @@ class JobMarkers:
             r = int(rank)
             if what == "started":
                 markers.started.add(r)
+            elif what == "done":
+                members = _read_text(os.path.join(directory, name)).split(",")
+                if all(m.strip().isdigit() for m in members):
+                    markers.done = frozenset(int(m) for m in members)
             elif what in ("ok", "exited"):
                 markers.ended.add(r)
                 if what == "ok":
@@ -295,6 +316,11 @@ class JobMarkers:
                 kind = lines[0] if lines else "an exception"
                 markers.raised[r] = (kind, lines[1] if len(lines) > 1 else kind)
         return markers
+
+    @property
+    def finished(self) -> bool:
+        """The last world ended the job and every one of its members left normally."""
+        return self.done is not None and self.done <= self.ok
 
 
 def _read_text(path: str) -> str:
@@ -387,7 +413,7 @@ def launch(nprocs: int, command: Sequence[str], hang_timeout: float | None = Non
     env = launch_env()
     with tempfile.TemporaryDirectory(prefix="lightning-recover-status-") as status_dir:
         env[ENV_STATUS_DIR] = status_dir
-        status = run_supervised(argv, env, nprocs=nprocs)
+        status = run_supervised(argv, env, nprocs=nprocs, finished=lambda: JobMarkers.read(status_dir).finished)
         status, words = final_words(JobMarkers.read(status_dir), nprocs, status)
     if words is not None:
         print(f"[lightning-recover] {words}", file=sys.stderr, flush=True)
@@ -637,7 +663,8 @@ def supervise(
                 t.start()
             try:
                 status = run_supervised(argv, env, nprocs=plan.nprocs if local else None, watch=watch,
-                                        stdout=pipes[0][1], stderr=pipes[1][1], on_signal=interrupted.append)
+                                        stdout=pipes[0][1], stderr=pipes[1][1], on_signal=interrupted.append,
+                                        finished=lambda d=status_dir: JobMarkers.read(d).finished)
             finally:
                 for _, w in pipes:
                     os.close(w)

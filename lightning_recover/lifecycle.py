@@ -94,8 +94,9 @@ CRASH_SIGNAL = signal.SIGKILL
 #: A status marker: ``started`` (the communicator is up), ``ok`` (ended normally),
 #: ``exited`` (stopped on purpose with a non-zero status), ``raised`` (an uncaught exception
 #: ended the rank; the file holds the exception's type name, then its last traceback line).
-Status = Literal["started", "ok", "exited", "raised"]
-STATUSES: tuple[Status, ...] = ("started", "ok", "exited", "raised")
+#: ``done`` (left by the last world's leader at the end of the job: that world's members).
+Status = Literal["started", "ok", "exited", "raised", "done"]
+STATUSES: tuple[Status, ...] = ("started", "ok", "exited", "raised", "done")
 #: Prefix of the files ranks claim in the status directory so one traceback is printed once.
 PRINTED_PREFIX = "printed."
 #: Environment variables that tell a rank it was started by mpiexec / a PMIx launcher.
@@ -303,7 +304,7 @@ def mark_status(what: Status, rank: int, detail: str = "") -> None:
     this does nothing: a marker is a hint, never a failure.
     """
     if what not in STATUSES:
-        raise ValueError(f"status marker must be 'started', 'ok', 'exited' or 'raised', got {what!r}")
+        raise ValueError(f"status marker must be one of {', '.join(STATUSES)}, got {what!r}")
     directory = os.environ.get(ENV_STATUS_DIR)
     if directory and os.path.isdir(directory):
         try:
@@ -369,6 +370,10 @@ def end_job(comm: FaultTolerantComm, exit_code: int | None = None) -> None:
     """
     if comm not in _ended:
         comm.agree(True)
+        if comm.is_leader:
+            # The launcher ends an mpiexec that outlives this world's end waiting on ranks of a
+            # frozen or cut-off host, once every member named here has left its ok marker.
+            mark_status("done", comm.rank, ",".join(map(str, comm.members)))
         comm.free()
         _ended.add(comm)
     if exit_code is not None:

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from lightning_recover import cli
-from lightning_recover.launcher import JobMarkers, build_command, detector_flags, final_words, find_mpiexec, launch_env
+from lightning_recover.launcher import (
+    JobMarkers,
+    build_command,
+    detector_flags,
+    final_words,
+    find_mpiexec,
+    launch_env,
+    run_supervised,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MPIEXEC = "/opt/mpi/bin/mpiexec"
@@ -320,3 +328,31 @@ def test_runtime_status_after_a_failed_spawn_is_not_the_jobs(tmp_path: Path) -> 
     # A deliberate non-zero stop (exited marker) keeps mpiexec's status.
     m = _markers(tmp_path, {"exited.1": ""})
     assert final_words(m, 2, 3)[0] == 3
+
+
+# ------------------------------------------------------------------------------ an mpiexec that outlives the job
+def _lingering_mpiexec(tmp_path: Path, done: str, ok: list[int]) -> list[str]:
+    """A stand-in for mpiexec after a frozen host: the last world ended, mpiexec waits on forever."""
+    touch = " ".join(f"{tmp_path}/ok.{r}" for r in ok)
+    return ["sh", "-c", f"touch {touch}; echo {done} > {tmp_path}/done.0; exec sleep 120"]
+
+
+def test_mpiexec_waiting_on_an_unreachable_host_is_ended_once_the_last_world_finished(tmp_path: Path) -> None:
+    import time
+
+    t0 = time.monotonic()
+    status = run_supervised(
+        _lingering_mpiexec(tmp_path, "0,1", [0, 1]), grace_s=1.0, timeout_s=60,
+        finished=lambda: JobMarkers.read(str(tmp_path)).finished,
+    )
+    assert status == 0 and time.monotonic() - t0 < 30
+
+
+def test_a_member_of_the_last_world_still_running_keeps_the_job(tmp_path: Path) -> None:
+    # Rank 2 is in the last world but has not left: the job is not over, whatever mpiexec does.
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_supervised(
+            _lingering_mpiexec(tmp_path, "0,1,2", [0, 1]), grace_s=0.5, timeout_s=4,
+            finished=lambda: JobMarkers.read(str(tmp_path)).finished,
+        )
+    assert JobMarkers.read(str(tmp_path)).done == {0, 1, 2}
