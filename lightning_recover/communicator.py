@@ -136,12 +136,32 @@ def ulfm_available() -> bool:
 
 
 def _library_has_agree(MPI: ModuleType) -> bool:
-    """Whether the loaded MPI implements ULFM's agreement (MPICH or an Open MPI without ULFM do not)."""
+    """Whether the loaded MPI really implements ULFM: an agreement, and a revoke that revokes.
+
+    ``hasattr`` is not enough: where the library lacks the MPIX calls, mpi4py stands in
+    for them (``Agree`` as an all-reduce, ``Shrink`` as ``Dup``, MPICH 5.0.2 here), and a
+    job on it would hang or abort at the first death. So the check revokes a private
+    duplicate of ``COMM_SELF`` and needs the next call on it to fail with ``ERR_REVOKED``.
+    """
     try:
         MPI.COMM_SELF.Agree(1)
+        trial = MPI.COMM_SELF.Dup()
     except (NotImplementedError, AttributeError, MPI.Exception):
         return False
-    return True
+    try:
+        trial.Set_errhandler(MPI.ERRORS_RETURN)
+        trial.Revoke()
+        trial.Barrier()
+    except (NotImplementedError, AttributeError):
+        return False
+    except MPI.Exception as exc:
+        return exc.Get_error_class() == MPI.ERR_REVOKED
+    finally:
+        try:
+            trial.Free()
+        except MPI.Exception:
+            pass
+    return False  # the barrier went through a revoked communicator: no fault tolerance
 
 
 def _ulfm_unavailable_message() -> str:

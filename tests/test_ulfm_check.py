@@ -1,0 +1,58 @@
+"""The start-up check refuses an MPI whose fault tolerance does not work (a trial revoke), not by hasattr."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from lightning_recover.communicator import _library_has_agree
+
+
+class _Error(Exception):
+    def __init__(self, error_class: int) -> None:
+        self.error_class = error_class
+
+    def Get_error_class(self) -> int:
+        return self.error_class
+
+
+def _fake_mpi(*, revoke_works: bool) -> SimpleNamespace:
+    """mpi4py's stand-ins where the library has no MPIX calls: Agree answers, Revoke does nothing."""
+    revoked = {"yes": False}
+
+    class Comm:
+        def Agree(self, flag: int) -> int:
+            return flag
+
+        def Dup(self) -> Comm:
+            return Comm()
+
+        def Set_errhandler(self, handler: object) -> None:
+            pass
+
+        def Revoke(self) -> None:
+            revoked["yes"] = revoke_works
+
+        def Barrier(self) -> None:
+            if revoked["yes"]:
+                raise _Error(77)
+
+        def Free(self) -> None:
+            pass
+
+    return SimpleNamespace(COMM_SELF=Comm(), Exception=_Error, ERR_REVOKED=77, ERRORS_RETURN=object())
+
+
+def test_an_mpi_whose_revoke_does_nothing_is_refused() -> None:
+    assert not _library_has_agree(_fake_mpi(revoke_works=False))  # MPICH through mpi4py's fallbacks
+
+
+def test_an_mpi_whose_revoke_revokes_is_accepted() -> None:
+    assert _library_has_agree(_fake_mpi(revoke_works=True))
+
+
+def test_the_pip_open_mpi_passes_the_trial_revoke() -> None:
+    code = "from mpi4py import MPI; from lightning_recover.communicator import _library_has_agree; print(_library_has_agree(MPI))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "True", out.stderr
