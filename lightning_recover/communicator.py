@@ -35,7 +35,9 @@ when a :class:`FaultTolerantComm` is built.
   world is taken, the **quorum rule** (:mod:`lightning_recover.quorum`) decides whether this
   side of the failure may continue at all: across hosts a "dead" rank may be alive behind
   a partition, and only one side may train; a side that may not leaves with
-  :func:`lightning_recover.lifecycle.quorum_exit`. Ranks MPI declared dead are then fenced (:func:`lightning_recover.lifecycle.kill_process`): one
+  :func:`lightning_recover.lifecycle.quorum_exit`. A repair that does not return within
+  ``$LIGHTNING_RECOVER_REPAIR_TIMEOUT`` seconds (300) ends the rank the same way: an
+  agreement that never returns must not hang the job. Ranks MPI declared dead are then fenced (:func:`lightning_recover.lifecycle.kill_process`): one
   that was only hung must never come back as a member.
 * ``grow(merged)`` installs a world that replacement ranks were merged into (hot re-join,
   :mod:`lightning_recover.rejoin`): a joiner takes the *logical* rank of a lost replica's
@@ -55,6 +57,7 @@ import functools
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -88,6 +91,24 @@ log = logging.getLogger(__name__)
 
 # 4 MiB: on shared memory, smaller buckets pipeline better (see benchmarks/allreduce.py sweep).
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
+#: Environment variable: the bound (seconds) on one repair; default :data:`DEFAULT_REPAIR_TIMEOUT_S`.
+ENV_REPAIR_TIMEOUT = "LIGHTNING_RECOVER_REPAIR_TIMEOUT"
+#: Detector-declared deaths shrink at about the detector timeout per failed rank: room for dozens.
+DEFAULT_REPAIR_TIMEOUT_S = 300.0
+
+
+def repair_timeout() -> float:
+    """``$LIGHTNING_RECOVER_REPAIR_TIMEOUT`` seconds, else :data:`DEFAULT_REPAIR_TIMEOUT_S`."""
+    raw = os.environ.get(ENV_REPAIR_TIMEOUT, "")
+    try:
+        value = float(raw) if raw else DEFAULT_REPAIR_TIMEOUT_S
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{ENV_REPAIR_TIMEOUT}={raw!r} must be a positive number of seconds, e.g. 300")
+    return value
+
+
 #: How long an MPI error that does not say "process failed" may take to show up as a known failure.
 FAILURE_CONFIRM_S = 5.0
 
@@ -247,6 +268,8 @@ class FaultTolerantComm:
         # Where every rank runs and which process it is, so a rank declared dead while
         # merely hung can be fenced off without ever hitting a recycled pid.
         self._procs: dict[int, tuple[str, int, str | None]] = {}
+        #: A repair that takes longer ends this rank as one without quorum (see :meth:`repair`).
+        self.repair_timeout_s = repair_timeout()
         #: This launch's name (host:pid:start of its first rank): what the write fences hold.
         self.job_id = ""
         # The write fences of the run's outputs (lightning_recover.fence), set by guard_writes.
@@ -623,8 +646,25 @@ class FaultTolerantComm:
         Every survivor must call this after an ``agree`` returned ``False``. A rank whose
         replica is incomplete takes part in the agreement and then leaves via the gate.
         """
-        MPI = _mpi()
         t0 = time.perf_counter()
+        # Open MPI's agreement can wait for good when a cut-off host's ranks are declared dead
+        # one at a time (seen with 3 fake hosts, one partitioned): leave in bounded time instead,
+        # as a side without quorum does, so that a supervising launcher relaunches the job.
+        timer = threading.Timer(
+            self.repair_timeout_s,
+            self.quorum_exit,
+            (f"the repair after world epoch {self.world_epoch} did not finish within {self.repair_timeout_s:g} s "
+             f"(an agreement that does not return; {ENV_REPAIR_TIMEOUT} sets the bound)",),
+        )
+        timer.daemon = True
+        timer.start()
+        try:
+            return self._repair(max_rounds, t0)
+        finally:
+            timer.cancel()
+
+    def _repair(self, max_rounds: int, t0: float) -> RepairResult:
+        MPI = _mpi()
         before = set(self.members)
         leader = self.members[0]
         current = self.world

@@ -1,4 +1,5 @@
-"""The start-up check refuses an MPI whose fault tolerance does not work (a trial revoke), not by hasattr."""
+"""Start-up checks of the communicator: an MPI whose fault tolerance does not work is refused (a trial
+revoke, not hasattr), and the bound on one repair is read from the environment."""
 
 from __future__ import annotations
 
@@ -56,3 +57,18 @@ def test_the_pip_open_mpi_passes_the_trial_revoke() -> None:
     code = "from mpi4py import MPI; from lightning_recover.communicator import _library_has_agree; print(_library_has_agree(MPI))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "True", out.stderr
+
+
+def test_the_repair_bound_reads_the_environment(monkeypatch) -> None:
+    import pytest
+
+    from lightning_recover.communicator import DEFAULT_REPAIR_TIMEOUT_S, ENV_REPAIR_TIMEOUT, repair_timeout
+
+    monkeypatch.delenv(ENV_REPAIR_TIMEOUT, raising=False)
+    assert repair_timeout() == DEFAULT_REPAIR_TIMEOUT_S
+    monkeypatch.setenv(ENV_REPAIR_TIMEOUT, "12.5")
+    assert repair_timeout() == 12.5
+    for bad in ("0", "-3", "soon"):
+        monkeypatch.setenv(ENV_REPAIR_TIMEOUT, bad)
+        with pytest.raises(ValueError, match=f"{ENV_REPAIR_TIMEOUT}='{bad}' must be a positive number"):
+            repair_timeout()
