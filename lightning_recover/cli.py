@@ -89,14 +89,17 @@ def _launch(argv: list[str]) -> int:
         os.environ["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{args.hang_timeout:g}"
     detector = args.hang_timeout if args.mpi_detector and args.hang_timeout else None
     try:
-        nprocs = args.nprocs
+        tasks = allocation_tasks()
+        nprocs = args.nprocs if args.nprocs is not None else tasks
         if nprocs is None:
-            nprocs = allocation_tasks()
-            if nprocs is None:
-                raise ValueError("give the number of ranks: -n N (only inside a Slurm allocation does it default to SLURM_NTASKS)")
+            raise ValueError("give the number of ranks: -n N (only inside a Slurm allocation does it default to SLURM_NTASKS)")
         hosts = None
-        # Inside an allocation the ranks share the nodes' tasks, not their CPUs (sbatch -O): unbound.
-        unbound = allocation_tasks() is not None and (tasks_outnumber_cpus() or nprocs > (allocation_tasks() or 0))
+        # Inside an allocation whose nodes hold more tasks than CPUs (sbatch -O), or asked for more ranks
+        # than tasks, Open MPI's binding to cores fails: run unbound, unless the user chose a binding.
+        unbound = (
+            tasks is not None and (tasks_outnumber_cpus() or nprocs > tasks)
+            and not any(a.startswith("--bind-to") for a in args.mpi_arg)
+        )
         if args.hosts is not None:
             hosts = parse_host_list(args.hosts)
         elif args.hostfile is not None:

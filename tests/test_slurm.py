@@ -110,7 +110,8 @@ def test_direct_srun_is_refused_on_every_task(slurm: LocalSlurm, tmp_path: Path)
         )
         took = time.monotonic() - t0
         assert done.returncode == 2, f"{script}: rc={done.returncode}\n{done.stdout}\n{done.stderr}"
-        lines = [line for line in done.stderr.splitlines() if not line.startswith("srun: error:")]
+        # srun -l labels each task's lines "N: "; srun's own reports (the exit codes) are not the tasks'.
+        lines = [line for line in done.stderr.splitlines() if re.match(r"\d+: ", line)]
         tasks = sorted((m.group(1), m.group(2)) for m in map(REFUSAL.match, lines) if m is not None)
         assert tasks == [("0", "0"), ("1", "1")] and len(lines) == 2, f"{script}:\n{done.stderr}"
         assert Path(script).name in lines[0]
