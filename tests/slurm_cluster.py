@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 #: The Debian packages that provide the daemons and the client commands.
 PACKAGES = "slurmctld slurmd slurm-client"
@@ -46,6 +47,14 @@ def missing_requirements() -> str | None:
     return None
 
 
+def _die_with_parent() -> None:
+    """In the daemon, before exec: SIGTERM it when the test process dies, even by SIGKILL (Linux
+    PR_SET_PDEATHSIG), so a killed pytest never leaves a Slurm running."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+
 def _binary(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
@@ -62,6 +71,7 @@ class LocalSlurm:
         self.conf = self.dir / "slurm.conf"
         self.cpus = os.cpu_count() or 1
         self._procs: list[subprocess.Popen[bytes]] = []
+        self._previous_term: Any = signal.SIG_DFL
 
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """``base`` (default: this process's environment) with the client commands pointed at this cluster."""
@@ -118,7 +128,9 @@ class LocalSlurm:
         env = self.env()
         for argv in ([_binary("slurmctld"), "-D", "-i", "-f", str(self.conf)], [_binary("slurmd"), "-D", "-N", "localhost", "-f", str(self.conf)]):
             log = open(self.dir / "log" / (os.path.basename(argv[0]) + ".out"), "wb")
-            self._procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            self._procs.append(subprocess.Popen(
+                argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+            ))
             log.close()
         deadline = time.monotonic() + self.start_timeout_s
         state = ""
@@ -161,6 +173,10 @@ class LocalSlurm:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> LocalSlurm:
+        # A timeout (CI's `timeout` sends SIGTERM) must still run the teardown: SIGTERM becomes an
+        # exception in the test process while the cluster is up (SIGKILL: see _die_with_parent).
+        self._previous_term = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, _terminated)
         try:
             return self.start()
         except BaseException:
@@ -168,7 +184,14 @@ class LocalSlurm:
             raise
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            signal.signal(signal.SIGTERM, self._previous_term)
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}: stopping the local Slurm")
 
     # ------------------------------------------------------------------ jobs
     def job_state(self, job_id: str) -> dict[str, str]:
