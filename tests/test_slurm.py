@@ -175,3 +175,16 @@ def test_sbatch_example_survives_a_kill_and_matches_the_reference(slurm: LocalSl
     assert verdict.ok, f"{verdict.problems}\n{text}"
     assert "relaunch 1/" not in text, text  # repaired in place, not by the supervisor
     print(f"sbatch example with a kill: submit to end {took:.1f} s")
+
+
+def test_no_slurm_is_an_error_naming_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    import slurm_cluster
+
+    monkeypatch.setattr(slurm_cluster.shutil, "which", lambda name: None)
+    monkeypatch.setattr(slurm_cluster.os.path, "exists", lambda path: False)
+    with pytest.raises(RuntimeError, match=r"slurmctld, slurmd, sbatch.*apt-get install -y slurmctld slurmd slurm-client"):
+        LocalSlurm()
+    monkeypatch.undo()
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(RuntimeError, match="needs root.*uid is 1000"):
+        LocalSlurm()
