@@ -55,6 +55,10 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}: stopping the local Slurm")
+
+
 def _binary(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
@@ -188,10 +192,6 @@ class LocalSlurm:
             self.stop()
         finally:
             signal.signal(signal.SIGTERM, self._previous_term)
-
-
-def _terminated(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}: stopping the local Slurm")
 
     # ------------------------------------------------------------------ jobs
     def job_state(self, job_id: str) -> dict[str, str]:
