@@ -608,4 +608,9 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from lightning_recover.slurm import refuse_direct_launch
+
+    # Before Hydra creates the run directory and before MPI starts (run_stamp broadcasts over it):
+    # a direct `srun -n N` start stops here on every task, leaving nothing behind.
+    refuse_direct_launch()
     main()

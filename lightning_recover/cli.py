@@ -31,6 +31,7 @@ lost is printed (detection, relaunch, restore, replay since the checkpoint).
 
 def _launch(argv: list[str]) -> int:
     from lightning_recover.launcher import DEFAULT_RESUME_ARG, launch, slurm_allocation, supervise
+    from lightning_recover.slurm import allocation_tasks, tasks_outnumber_cpus
     from lightning_recover.supervision import SupervisionPolicy, parse_host_list, parse_hostfile
 
     parser = argparse.ArgumentParser(
@@ -39,7 +40,10 @@ def _launch(argv: list[str]) -> int:
         epilog=SUPERVISE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-n", "--nprocs", type=int, required=True, help="number of MPI ranks (replicas x shards)")
+    parser.add_argument(
+        "-n", "--nprocs", type=int, default=None,
+        help="number of MPI ranks (replicas x shards); inside a Slurm allocation the default is its task count (SLURM_NTASKS)",
+    )
     parser.add_argument(
         "--hang-timeout",
         type=float,
@@ -85,7 +89,17 @@ def _launch(argv: list[str]) -> int:
         os.environ["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{args.hang_timeout:g}"
     detector = args.hang_timeout if args.mpi_detector and args.hang_timeout else None
     try:
+        tasks = allocation_tasks()
+        nprocs = args.nprocs if args.nprocs is not None else tasks
+        if nprocs is None:
+            raise ValueError("give the number of ranks: -n N (only inside a Slurm allocation does it default to SLURM_NTASKS)")
         hosts = None
+        # Inside an allocation whose nodes hold more tasks than CPUs (sbatch -O), or asked for more ranks
+        # than tasks, Open MPI's binding to cores fails: run unbound, unless the user chose a binding.
+        unbound = (
+            tasks is not None and (tasks_outnumber_cpus() or nprocs > tasks)
+            and not any(a.startswith("--bind-to") for a in args.mpi_arg)
+        )
         if args.hosts is not None:
             hosts = parse_host_list(args.hosts)
         elif args.hostfile is not None:
@@ -94,13 +108,10 @@ def _launch(argv: list[str]) -> int:
                     hosts = parse_hostfile(f.read(), args.hostfile)
             except OSError as exc:
                 raise ValueError(f"--hostfile {args.hostfile!r} cannot be read ({exc.strerror or exc})") from None
-        elif args.supervise:
+        else:
             hosts = slurm_allocation()  # None outside Slurm: this machine
         if not args.supervise:
-            extra = list(args.mpi_arg)
-            if hosts is not None:
-                extra = ["--host", ",".join(str(h) for h in hosts), *extra]
-            return launch(args.nprocs, command, hang_timeout=detector, extra=extra)
+            return launch(nprocs, command, hang_timeout=detector, extra=list(args.mpi_arg), hosts=hosts, unbound=unbound)
         if args.checkpoint_dir is None:
             raise ValueError("--supervise needs --checkpoint-dir DIR (the job's recover.checkpoint.dir), where a relaunch resumes from")
         policy = SupervisionPolicy(
@@ -108,9 +119,9 @@ def _launch(argv: list[str]) -> int:
             oversubscribe=args.oversubscribe, backoff_s=args.relaunch_backoff, max_backoff_s=max(60.0, args.relaunch_backoff),
         )
         return supervise(
-            args.nprocs, command, policy=policy, checkpoint_dir=args.checkpoint_dir, hosts=hosts, ledger=args.ledger,
+            nprocs, command, policy=policy, checkpoint_dir=args.checkpoint_dir, hosts=hosts, ledger=args.ledger,
             resume_arg=args.resume_arg, stall_timeout_s=args.stall_timeout, hang_timeout=detector, extra=args.mpi_arg,
-            status_root=args.status_dir,
+            status_root=args.status_dir, unbound=unbound,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"lightning-recover launch: {exc}", file=sys.stderr)

@@ -94,12 +94,16 @@ def build_command(
     hosts: str | None = None,
     slots: int | None = None,
     oversubscribe: bool = False,
+    unbound: bool = False,
 ) -> list[str]:
     """The full ``mpiexec`` argv for ``nprocs`` ranks running ``command``.
 
     ``hosts`` (mpiexec's ``--host`` value, ``node1:2,node2:2``) with their total ``slots``
     places the job on those hosts; without it the job runs on this machine. Ranks beyond
     the slots (the cores here) get ``--oversubscribe``, as does ``oversubscribe=True``.
+    ``unbound`` adds ``--bind-to none``: inside a Slurm allocation with more tasks than CPUs
+    (``sbatch -O``) the slots are the tasks, so Open MPI binds each rank to a core and fails
+    ("binding more cpus than are available").
     """
     if nprocs < 1:
         raise ValueError(f"-n must be >= 1, got {nprocs}")
@@ -115,6 +119,8 @@ def build_command(
         argv += ["--host", hosts]
     if nprocs > cores or oversubscribe:
         argv.append("--oversubscribe")
+    if unbound:
+        argv += ["--bind-to", "none"]
     if hang_timeout is not None:
         argv += detector_flags(hang_timeout)
     argv += list(extra)
@@ -398,9 +404,17 @@ def final_words(markers: JobMarkers, nprocs: int, status: int) -> tuple[int, str
     )
 
 
-def launch(nprocs: int, command: Sequence[str], hang_timeout: float | None = None, extra: Sequence[str] = ()) -> int:
+def launch(
+    nprocs: int,
+    command: Sequence[str],
+    hang_timeout: float | None = None,
+    extra: Sequence[str] = (),
+    *,
+    hosts: Sequence[Host] | None = None,
+    unbound: bool = False,
+) -> int:
     """Run the job and return its status; non-zero (1 unless mpiexec's was) if ranks started
-    but none of them ended normally.
+    but none of them ended normally. ``hosts`` None: this machine; ``unbound``: see :func:`build_command`.
 
     With ULFM, mpiexec reports 0 even when every rank died by a signal (each death is a
     "recoverable" failure); the markers tell a job in which nobody survived, and whether
@@ -408,12 +422,19 @@ def launch(nprocs: int, command: Sequence[str], hang_timeout: float | None = Non
     """
     import tempfile
 
-    argv = build_command(nprocs, command, hang_timeout=hang_timeout, extra=extra)
+    argv = build_command(
+        nprocs, command, hang_timeout=hang_timeout, extra=extra, hosts=None if hosts is None else host_arg(hosts),
+        slots=None if hosts is None else sum(h.slots for h in hosts), unbound=unbound,
+    )
     print("[lightning-recover] " + shlex.join(argv), file=sys.stderr, flush=True)
     env = launch_env()
+    # Only hosts that are all this machine let the stuck-abort rule see every rank (module docstring).
+    here = hosts is None or all(h.name in local_host_names() for h in hosts)
     with tempfile.TemporaryDirectory(prefix="lightning-recover-status-") as status_dir:
         env[ENV_STATUS_DIR] = status_dir
-        status = run_supervised(argv, env, nprocs=nprocs, finished=lambda: JobMarkers.read(status_dir).finished)
+        status = run_supervised(
+            argv, env, nprocs=nprocs if here else None, finished=lambda: JobMarkers.read(status_dir).finished
+        )
         status, words = final_words(JobMarkers.read(status_dir), nprocs, status)
     if words is not None:
         print(f"[lightning-recover] {words}", file=sys.stderr, flush=True)
@@ -600,6 +621,7 @@ def supervise(
     extra: Sequence[str] = (),
     probe: Callable[[Sequence[Host], Sequence[str]], frozenset[str]] = probe_unreachable,
     status_root: str | None = None,
+    unbound: bool = False,
 ) -> int:
     """``lightning-recover launch --supervise``: run the job; relaunch it from the newest checkpoint when it
     ends in a way a relaunch can cure; return its final status.
@@ -616,7 +638,7 @@ def supervise(
     checkpoint write) is ended and judged "stalled". ``hosts`` None: this machine only.
     ``status_root``: where the attempts' status directories go (default: a temporary
     directory here); on several hosts it must be a directory every host shares, or the
-    markers of ranks elsewhere are lost.
+    markers of ranks elsewhere are lost. ``unbound``: ranks run unbound (see :func:`build_command`).
     """
     import tempfile
 
@@ -640,7 +662,7 @@ def supervise(
             cmd = resume_command(command, resume_arg) if ckpt is not None else list(command)
             argv = build_command(
                 plan.nprocs, cmd, hang_timeout=hang_timeout, extra=extra, hosts=None if local else host_arg(plan.hosts),
-                slots=plan.slots, oversubscribe=policy.oversubscribe and not local,
+                slots=plan.slots, oversubscribe=policy.oversubscribe and not local, unbound=unbound,
             )
             say(f"[lightning-recover] supervise: attempt {relaunches + 1}: " + shlex.join(argv))
             env = dict(env_base, **{ENV_STATUS_DIR: status_dir, ENV_ATTEMPT: str(relaunches)})

@@ -126,7 +126,14 @@ def prepare_mpi() -> bool:
     environment, which covers a script that imported mpi4py.MPI earlier.
 
     Returns True when the setting took effect (mpi4py.MPI was not imported yet).
+
+    First it stops a process that Slurm started directly (``srun -n N``, no ``mpiexec``) with
+    exit status 2 and one line naming the fix (:func:`lightning_recover.slurm.refuse_direct_launch`):
+    here, before ``MPI_Init``, which such a start can crash in.
     """
+    from lightning_recover.slurm import refuse_direct_launch
+
+    refuse_direct_launch()
     import mpi4py
 
     if "mpi4py.MPI" in sys.modules:

@@ -1,5 +1,13 @@
+"""Test set-up: import paths for the harness, the workers and benchmarks/, and the session's local Slurm."""
+
+from __future__ import annotations
+
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
 
 HERE = Path(__file__).resolve().parent
 # mpirun.py (the launcher harness) and the worker modules are imported by the tests, and so
@@ -8,3 +16,18 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "benchmarks"))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "workers"))
+
+if TYPE_CHECKING:
+    from slurm_cluster import LocalSlurm
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Iterator[LocalSlurm]:
+    """A real one-node Slurm (tests/slurm_cluster.py), started once for the session and always stopped.
+
+    No Slurm here is an error naming the fix (apt-get install -y slurmctld slurmd slurm-client), never a skip.
+    """
+    from slurm_cluster import LocalSlurm
+
+    with LocalSlurm() as cluster:
+        yield cluster

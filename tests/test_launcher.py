@@ -190,11 +190,30 @@ def test_launch_errors_exit_2() -> None:
     assert "--hang-timeout must be >= 0 seconds, got -1" in res.stderr
 
 
-def test_launch_requires_n(capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["launch", "--", "true"])
-    assert exc.value.code == 2
-    assert "-n/--nprocs" in capsys.readouterr().err
+def test_launch_requires_n_outside_slurm(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        monkeypatch.delenv(var, raising=False)
+    assert cli.main(["launch", "--", "true"]) == 2
+    assert "give the number of ranks: -n N" in capsys.readouterr().err
+
+
+def test_launch_inside_an_allocation_takes_its_tasks_hosts_and_runs_unbound(monkeypatch: pytest.MonkeyPatch) -> None:
+    # sbatch -n 4 -O on a node with 1 CPU given to the job: what the batch script's environment holds.
+    from lightning_recover import launcher
+    from lightning_recover.supervision import Host
+
+    for var, value in {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "localhost",
+                       "SLURM_TASKS_PER_NODE": "4", "SLURM_JOB_CPUS_PER_NODE": "1"}.items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setattr(launcher, "slurm_allocation", lambda: (Host("localhost", 4),))
+    calls: list[tuple] = []
+    monkeypatch.setattr(launcher, "launch", lambda n, cmd, **kw: calls.append((n, cmd, kw)) or 0)
+    assert cli.main(["launch", "--", "python", "t.py"]) == 0
+    (n, cmd, kw), = calls
+    assert n == 4 and cmd == ["python", "t.py"] and kw["hosts"] == (Host("localhost", 4),) and kw["unbound"] is True
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "4")  # one CPU per task: binding works, keep it
+    assert cli.main(["launch", "-n", "2", "--", "python", "t.py"]) == 0
+    assert calls[-1][0] == 2 and calls[-1][2]["unbound"] is False
 
 
 def test_no_command_prints_usage(capsys: pytest.CaptureFixture) -> None:

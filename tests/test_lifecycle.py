@@ -322,6 +322,8 @@ from lightning_recover import lifecycle
 
 class Comm:  # what end_job needs from the communicator, logging the order of calls
     rank = 1
+    is_leader = True  # the last world's leader: it names that world's members in its done marker
+    members = (1, 3)
     def agree(self, flag):
         print(f"agree({flag})", flush=True)
         return True
@@ -340,7 +342,8 @@ def test_end_job_agrees_frees_marks_and_exits(tmp_path: Path, code: str, marker:
     proc = subprocess.run([sys.executable, "-c", END, code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == int(code)
     assert proc.stdout.split() == ["agree(True)", "free"], "agree with the survivors first, then free, then leave at once"
-    assert os.listdir(tmp_path) == [marker]
+    assert sorted(os.listdir(tmp_path)) == sorted(["done.1", marker])
+    assert (tmp_path / "done.1").read_text() == "1,3"
 
 
 def test_end_job_without_exit_code_returns(tmp_path: Path) -> None:
@@ -348,15 +351,15 @@ def test_end_job_without_exit_code_returns(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", END, "none"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     assert proc.stdout.split() == ["agree(True)", "free", "returned"]
-    assert os.listdir(tmp_path) == [], "without start_rank nothing registered an ok marker"
+    assert os.listdir(tmp_path) == ["done.1"], "without start_rank nothing registered an ok marker"
 
 
 def test_mark_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_STATUS_DIR, str(tmp_path))
     lifecycle.mark_status("exited", 7)
     assert os.listdir(tmp_path) == ["exited.7"]
-    with pytest.raises(ValueError, match="status marker must be 'started', 'ok', 'exited' or 'raised', got 'done'"):
-        lifecycle.mark_status("done", 7)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="status marker must be one of started, ok, exited, raised, done, got 'finished'"):
+        lifecycle.mark_status("finished", 7)  # type: ignore[arg-type]
     monkeypatch.setenv(ENV_STATUS_DIR, str(tmp_path / "gone"))
     lifecycle.mark_status("ok", 7)  # outside a launched job (or after cleanup): silently nothing
     assert os.listdir(tmp_path) == ["exited.7"]
@@ -373,6 +376,7 @@ atexit.register(after_everything)
 
 class Comm:
     rank = 1
+    is_leader = False
     def agree(self, flag):
         print("agree", flush=True)
         return True

@@ -76,6 +76,7 @@ from lightning_recover.recovery.engine import StepEngine
 from lightning_recover.recovery.hooks import dispatcher
 from lightning_recover.recovery.interface import RepairResult
 from lightning_recover.recovery.state import Join
+from lightning_recover.slurm import refuse_direct_launch
 from lightning_recover.strategies import checkpoint_io
 from lightning_recover.strategies.environment import ReplicaEnvironment
 from lightning_recover.strategies.evaluation_loader import EvaluationLoader
@@ -154,6 +155,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     strategy_name = "recover_hsdp"
 
     def __init__(self, config: RecoverConfig | None = None, **settings: Any) -> None:
+        # Tasks that srun started (no mpiexec) stop here, before the Trainer prints or writes anything
+        # as "rank 0" on each of them (lifecycle.prepare_mpi checks again for other ways into MPI).
+        refuse_direct_launch()
         super().__init__(cluster_environment=ReplicaEnvironment())
         if config is not None and settings:
             raise ConfigurationError(

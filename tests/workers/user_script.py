@@ -5,7 +5,10 @@ What it does is chosen on the command line, so one file covers the ways a script
 ``--kill-in-step N`` SIGKILLs the rank there instead (a replica that dies, not a bug),
 ``--target`` and ``--devices`` feed the strategy and the Trainer as a user would (to
 provoke their errors), ``--end shutdown`` calls ``strategy.shutdown()`` at the end, the
-default just lets the script end. No output files: the tests read what the user sees
+default just lets the script end. ``--report-ranks`` prints, per rank, what Lightning made of
+the launch during the first step (its ranks, world size and cluster environment, and
+whether Lightning's own SLURMEnvironment would detect Slurm): under Slurm, ranks started by
+mpiexec inherit ``SLURM_PROCID=0`` and must not be read as Slurm ranks. No output files: the tests read what the user sees
 (stdout, stderr, the exit status).
 """
 
@@ -34,12 +37,23 @@ class Tiny(L.LightningModule):
         self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)])
         self.raise_at = raise_at
         self.kill_at = kill_at
+        self.seen: str | None = None  # what Lightning made of the launch, from the first step
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.raise_at is not None and self.trainer.global_step >= self.raise_at:
             raise ValueError("user bug 42")
         if self.kill_at is not None and self.trainer.global_step >= self.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.seen is None:
+            from lightning.fabric.plugins.environments import SLURMEnvironment
+
+            t = self.trainer
+            env = t.strategy.cluster_environment
+            self.seen = (
+                f"global_rank={t.global_rank} world_size={t.world_size} local_rank={t.local_rank} node_rank={t.node_rank} "
+                f"cluster_environment={type(env).__name__} slurm_detect={SLURMEnvironment.detect()} "
+                f"SLURM_PROCID={os.environ.get('SLURM_PROCID')} SLURM_NTASKS={os.environ.get('SLURM_NTASKS')}"
+            )
         x, y = batch
         return torch.nn.functional.mse_loss(self.layers[1](torch.relu(self.layers[0](x))), y)
 
@@ -56,6 +70,7 @@ def main() -> None:
     ap.add_argument("--raise-in-step", type=int, default=None)
     ap.add_argument("--kill-in-step", type=int, default=None)
     ap.add_argument("--end", choices=["none", "shutdown"], default="none")
+    ap.add_argument("--report-ranks", action="store_true")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -65,8 +80,11 @@ def main() -> None:
         accelerator="cpu", devices=args.devices, strategy=strategy, max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
-    trainer.fit(Tiny(args.raise_in_step, args.kill_in_step), DataLoader(data, batch_size=2))
+    model = Tiny(args.raise_in_step, args.kill_in_step)
+    trainer.fit(model, DataLoader(data, batch_size=2))
     rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+    if args.report_ranks:
+        print(f"user_script: rank {rank} ranks: {model.seen}", flush=True)
     print(f"user_script: rank {rank} finished fit at step {trainer.global_step} after {time.monotonic() - STARTED:.1f}s (clock {time.time():.2f})", flush=True)
     if args.end == "shutdown":
         strategy.shutdown(exit_code=0)
