@@ -8,3 +8,21 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "benchmarks"))
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "workers"))
+
+
+import pytest  # noqa: E402
+
+from lightning_recover.testing.fake_cluster import FakeCluster  # noqa: E402
+
+
+@pytest.fixture
+def fake_cluster(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """``make(n_hosts=2, **options) -> FakeCluster``: started fake hosts, torn down when the test ends (passed, failed or
+    timed out): every process on them killed, namespaces, links and /etc/netns entries deleted."""
+
+    def make(n_hosts: int = 2, **options: object) -> FakeCluster:
+        cluster = FakeCluster(n_hosts, **options)  # type: ignore[arg-type]
+        request.addfinalizer(cluster.teardown)
+        return cluster.start()
+
+    return make

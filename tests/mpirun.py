@@ -12,11 +12,15 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_recover.launcher import RUNTIME_START_FAILURE
+
+if TYPE_CHECKING:
+    from lightning_recover.testing.fake_cluster import FakeCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -49,13 +53,25 @@ def _run_once(
     timeout: float = 120,
     hang_timeout: float | None = None,
     env: dict[str, str] | None = None,
+    cluster: FakeCluster | None = None,
+    map_by: str | None = None,
+    during: Callable[[], None] | None = None,
 ) -> MPIJob:
-    """One ``lightning-recover launch -n nprocs -- python ARGS`` with OUT=outdir; killed after ``timeout``."""
+    """One ``lightning-recover launch -n nprocs -- python ARGS`` with OUT=outdir; killed after ``timeout``.
+
+    With ``cluster`` the launcher runs on the fake cluster's head host and places the ranks
+    on all its hosts (``map_by``: Open MPI's ``--map-by``); ``during()`` then runs while the
+    job does (host faults), and a timed-out job has every process of every host killed."""
     outdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(nprocs)]
-    if hang_timeout is not None:
-        cmd += ["--hang-timeout", str(hang_timeout)]
-    cmd += ["--", sys.executable, *args]
+    if cluster is not None:
+        cmd = cluster.launcher_argv(nprocs, [sys.executable, *args], hang_timeout=hang_timeout, map_by=map_by, cwd=ROOT)
+    else:
+        if map_by is not None or during is not None:
+            raise ValueError("map_by and during apply to fake-cluster jobs only; pass cluster=")
+        cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(nprocs)]
+        if hang_timeout is not None:
+            cmd += ["--hang-timeout", str(hang_timeout)]
+        cmd += ["--", sys.executable, *args]
     full_env = dict(os.environ)
     pythonpath = os.pathsep.join([str(ROOT), str(BENCHMARKS)])
     full_env.update({"LR_TEST_OUT": str(outdir), "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath})
@@ -64,6 +80,13 @@ def _run_once(
         cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
+        if during is not None:
+            try:
+                during()
+            except BaseException:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.communicate(timeout=30)
+                raise
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         # SIGTERM first: the launcher forwards it to mpiexec's own session and then SIGKILLs
@@ -74,6 +97,8 @@ def _run_once(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate(timeout=30)
+        if cluster is not None:
+            cluster.kill_everything()  # ranks on other hosts are in sessions of their own
         raise AssertionError(f"mpiexec job timed out after {timeout}s: {args}\n{stdout[-3000:]}\n{stderr[-5000:]}")
     finally:
         try:  # reap stragglers (e.g. SIGSTOPped ranks) that outlived mpiexec
@@ -99,15 +124,19 @@ def run_mpi(nprocs: int, args: list[str], outdir: Path, **options: Any) -> MPIJo
 
 
 def train_worker(
-    nprocs: int, outdir: Path, argv: list[str], faults: list[dict], timeout: float = 240, data_plane: str | None = None
+    nprocs: int, outdir: Path, argv: list[str], faults: list[dict], timeout: float = 240, data_plane: str | None = None,
+    **options: Any,
 ) -> MPIJob:
     """``tests/workers/train_worker.py ARGV --faults FAULTS`` on ``nprocs`` ranks.
 
     ``data_plane`` sets recover.data_plane; None leaves train_worker's default, which is
     ``$RECOVER_TEST_DATA_PLANE`` (``RECOVER_TEST_DATA_PLANE=gloo python -m pytest ...`` runs
-    every launched train_worker job over the gloo data plane), else mpi."""
+    every launched train_worker job over the gloo data plane), else mpi. ``options``: see ``_run_once``
+    (``cluster``, ``map_by``, ``during``, ``hang_timeout``, ``env``)."""
     plane = ["--data-plane", data_plane] if data_plane is not None else []
-    return run_mpi(nprocs, ["tests/workers/train_worker.py", *argv, *plane, "--faults", json.dumps(faults)], outdir, timeout=timeout)
+    return run_mpi(
+        nprocs, ["tests/workers/train_worker.py", *argv, *plane, "--faults", json.dumps(faults)], outdir, timeout=timeout, **options
+    )
 
 
 def ledger_lines(job: MPIJob) -> list[dict]:
