@@ -1,0 +1,112 @@
+"""Launched jobs on fake hosts (lightning_recover.testing.fake_cluster): failures as clusters have them.
+
+Each test runs the project's launcher on the first fake host, with ranks placed on two
+hosts, injects a host-level fault and judges the run by what the ranks wrote (the ledger
+against the fault-free reference, each survivor's result file and parameters) and by what
+the user reads on stderr and in the launcher's status. Needs root (CI runs as root).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_recover.ledger import read_ledger
+from lightning_recover.testing.fake_cluster import FakeCluster
+from mpirun import assert_reference_run, train_worker
+
+pytestmark = pytest.mark.mpi
+STEPS = 4
+
+
+def lost_replicas_reported(stderr: str) -> set[int]:
+    """Replicas the survivors told the user they lost ("world epoch N: lost replica(s) [..]")."""
+    lost: set[int] = set()
+    for listed in re.findall(r"lost replica\(s\) \[([\d, ]*)\]", stderr):
+        lost |= {int(x) for x in listed.split(",") if x.strip()}
+    return lost
+
+
+def placement(cluster: FakeCluster, nprocs: int) -> dict[int, set[int]]:
+    """Host index -> world ranks running there, once all ``nprocs`` ranks are up."""
+
+    def seen() -> dict[int, set[int]] | None:
+        where = {i: set(cluster.ranks(i).values()) for i in range(len(cluster.hosts))}
+        return where if sum(len(r) for r in where.values()) == nprocs else None
+
+    return cluster.wait_until(seen, 120, f"all {nprocs} ranks started on the fake hosts")  # type: ignore[return-value]
+
+
+def test_all_ranks_of_a_host_killed_mid_reduce_continue_in_place(tmp_path: Path, fake_cluster: Any) -> None:
+    # 2 hosts x 2 replicas of 1 rank: ranks 0, 1 on host 0 (with mpiexec), ranks 2, 3 on host 1.
+    cluster: FakeCluster = fake_cluster(2)
+    argv = ["--steps", str(STEPS), "--shards", "1"]
+    # Rank 2 stops itself inside step 1's reduce (a hang fault: SIGSTOP), so the harness can kill
+    # host 1's ranks exactly mid-reduce: rank 2 stopped in it, rank 3 waiting in it. Open MPI's
+    # daemon on host 1 lives on.
+    faults = [{"step": 1, "rank": 2, "phase": "reduce", "kind": "hang"}]
+    seen: dict[str, Any] = {}
+
+    def kill_host_ranks_mid_reduce() -> None:
+        seen["placement"] = placement(cluster, 4)
+        cluster.wait_until(lambda: cluster.stopped_ranks(1) == [2], 120, "rank 2 stopped in step 1's reduce")
+        seen["killed"] = cluster.kill_ranks(1)
+        seen["daemon_alive"] = any(n == "prted" for n in _names(cluster.processes(1)))
+
+    job = train_worker(4, tmp_path, argv, faults, timeout=240, cluster=cluster, during=kill_host_ranks_mid_reduce)
+    assert (tmp_path / "ledger.jsonl").exists(), job.describe()
+    assert seen["placement"] == {0: {0, 1}, 1: {2, 3}}, seen
+    assert seen["killed"] == [2, 3] and seen["daemon_alive"], seen
+    results = assert_reference_run(job, argv, replicas=4)  # exact: the fault-free trajectory and parameters
+    ledger = read_ledger(tmp_path / "ledger.jsonl")
+    assert [line["step"] for line in ledger] == list(range(STEPS))
+    assert sorted(r for line in ledger for r in line["faults"]) == [2, 3], ledger
+    assert {i for i, line in enumerate(ledger) if line["faults"]} == {1}, "the loss is absorbed in the step it hit"
+    assert all(line["B"] == 8 for line in ledger), "constant B: the survivors replay the lost replicas' microbatches"
+    # The survivors (host 0) finished every step in place and said what they lost; the launcher reports success.
+    assert sorted(results) == [0, 1], job.describe()
+    assert all(r["global_step"] == STEPS and r["alive"] == [0, 1] for r in results.values()), results
+    assert lost_replicas_reported(job.stderr) == {2, 3}, job.describe()
+    assert job.returncode == 0, job.describe()
+    print(f"host 1's ranks killed mid-reduce: recovery pause {ledger[1]['recovery_s']:.3f}s")
+
+
+def test_a_replica_spanning_hosts_loses_one_hosts_rank(tmp_path: Path, fake_cluster: Any) -> None:
+    # 2 replicas x 2 shards, mapped by node: replica 0 = ranks 0 (host 0) + 1 (host 1), replica 1 =
+    # ranks 2 (host 0) + 3 (host 1): both replicas span the hosts. Each host's own name resolves
+    # to 127.0.1.1 there, as on Debian: a replica's rendezvous must not use it.
+    cluster: FakeCluster = fake_cluster(2, own_name_loopback=True)
+    argv = ["--steps", str(STEPS), "--shards", "2"]
+    faults = [{"step": 1, "rank": 3, "phase": "reduce", "kind": "kill"}]
+    seen: dict[str, Any] = {}
+
+    def record_placement() -> None:
+        seen["placement"] = placement(cluster, 4)
+
+    job = train_worker(4, tmp_path, argv, faults, timeout=240, cluster=cluster, map_by="node", during=record_placement)
+    assert (tmp_path / "ledger.jsonl").exists(), job.describe()
+    assert seen["placement"] == {0: {0, 2}, 1: {1, 3}}, seen
+    results = assert_reference_run(job, argv, replicas=2)
+    ledger = read_ledger(tmp_path / "ledger.jsonl")
+    assert [line["step"] for line in ledger] == list(range(STEPS))
+    assert {i: line["faults"] for i, line in enumerate(ledger) if line["faults"]} == {1: [1]}, ledger
+    # Rank 2 (host 0) lost its mate on host 1 and left through the gate; replica 0, itself spread
+    # over both hosts, went on and finished.
+    assert "replica-consistency gate" in job.stderr, job.describe()
+    assert sorted(results) == [0, 1], job.describe()
+    assert all(r["global_step"] == STEPS and r["alive"] == [0] for r in results.values()), results
+    assert lost_replicas_reported(job.stderr) == {1}, job.describe()
+    assert job.returncode == 0, job.describe()
+
+
+def _names(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:
+            pass
+    return out
