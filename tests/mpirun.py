@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,35 +80,60 @@ def _run_once(
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    # ``during`` runs beside the job, on a thread, while this one drains the job's pipes (a
+    # full pipe would stall the ranks); if it fails, the job is ended and its error raised.
+    failed: list[BaseException] = []
+
+    def run_during() -> None:
+        assert during is not None
+        try:
+            during()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread below
+            failed.append(exc)
+            _stop_job(proc, cluster)
+
+    helper = threading.Thread(target=run_during, name="mpirun-during", daemon=True) if during is not None else None
     try:
-        if during is not None:
-            try:
-                during()
-            except BaseException:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.communicate(timeout=30)
-                raise
+        if helper is not None:
+            helper.start()
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # SIGTERM first: the launcher forwards it to mpiexec's own session and then SIGKILLs
-        # that session; a SIGKILL here would orphan mpiexec's ranks, which hold our pipes.
-        os.killpg(proc.pid, signal.SIGTERM)
+        _stop_job(proc, cluster)
         try:
             stdout, stderr = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate(timeout=30)
-        if cluster is not None:
-            cluster.kill_everything()  # ranks on other hosts are in sessions of their own
         raise AssertionError(f"mpiexec job timed out after {timeout}s: {args}\n{stdout[-3000:]}\n{stderr[-5000:]}")
     finally:
         try:  # reap stragglers (e.g. SIGSTOPped ranks) that outlived mpiexec
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return MPIJob(proc.returncode, stdout, stderr, outdir)
+    job = MPIJob(proc.returncode, stdout, stderr, outdir)
+    if helper is not None:
+        helper.join(timeout=60)
+        if failed:
+            raise AssertionError(f"the fault injection beside the job failed: {failed[0]!r}\n{job.describe()}") from failed[0]
+    return job
 
 
+def _stop_job(proc: subprocess.Popen[str], cluster: FakeCluster | None) -> None:
+    """End a launched job (it overran, or its fault injection failed) without reading its pipes."""
+    # SIGTERM first: the launcher forwards it to mpiexec's own session and then SIGKILLs
+    # that session; a SIGKILL here would orphan mpiexec's ranks, which hold our pipes.
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    if cluster is not None:
+        # Ranks on the other fake hosts run in sessions of their own (as under sshd) and hold
+        # our pipes too: give the launcher its chance, then end every process on every host.
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        cluster.kill_everything()
 
 
 def run_mpi(nprocs: int, args: list[str], outdir: Path, **options: Any) -> MPIJob:
