@@ -34,7 +34,7 @@ def _launch(argv: list[str]) -> int:
         help="also turn on Open MPI's ULFM failure detector (thread) with --hang-timeout; needed when a "
         "node runs a single rank, but seen to crash at start-up beside torch in Open MPI 5.0.11",
     )
-    parser.add_argument("--mpi-arg", action="append", default=[], help="extra argument passed to mpiexec (repeatable)")
+    parser.add_argument("--mpi-arg", action="append", default=[], help="extra argument passed to mpiexec (repeatable); one that starts with a dash as --mpi-arg=--host")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
