@@ -9,6 +9,7 @@ the user reads on stderr and in the launcher's status. Needs root (CI runs as ro
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -74,12 +75,19 @@ def test_all_ranks_of_a_host_killed_mid_reduce_continue_in_place(tmp_path: Path,
     print(f"host 1's ranks killed mid-reduce: recovery pause {ledger[1]['recovery_s']:.3f}s")
 
 
-def test_a_replica_spanning_hosts_loses_one_hosts_rank(tmp_path: Path, fake_cluster: Any) -> None:
+@pytest.mark.parametrize(
+    ("data_plane", "replica_plane"),
+    [
+        ("mpi", "auto"),  # the CPU default: both planes on MPI; gloo carries Lightning's own collectives
+        ("gloo", "torch"),  # gloo everywhere: FSDP2's collectives between the hosts, the data plane's store on the leader
+    ],
+)
+def test_a_replica_spanning_hosts_loses_one_hosts_rank(tmp_path: Path, fake_cluster: Any, data_plane: str, replica_plane: str) -> None:
     # 2 replicas x 2 shards, mapped by node: replica 0 = ranks 0 (host 0) + 1 (host 1), replica 1 =
     # ranks 2 (host 0) + 3 (host 1): both replicas span the hosts. Each host's own name resolves
     # to 127.0.1.1 there, as on Debian: a replica's rendezvous must not use it.
     cluster: FakeCluster = fake_cluster(2, own_name_loopback=True)
-    argv = ["--steps", str(STEPS), "--shards", "2"]
+    argv = ["--steps", str(STEPS), "--shards", "2", "--data-plane", data_plane, "--replica-plane", replica_plane]
     faults = [{"step": 1, "rank": 3, "phase": "reduce", "kind": "kill"}]
     seen: dict[str, Any] = {}
 
@@ -99,6 +107,11 @@ def test_a_replica_spanning_hosts_loses_one_hosts_rank(tmp_path: Path, fake_clus
     assert sorted(results) == [0, 1], job.describe()
     assert all(r["global_step"] == STEPS and r["alive"] == [0] for r in results.values()), results
     assert lost_replicas_reported(job.stderr) == {1}, job.describe()
+    assert "raised" not in job.stderr, job.describe()  # the mate left through the gate, not by an exception
+    assert {r["data_plane"] for r in results.values()} == {data_plane}, results
+    assert {r["replica_plane"] for r in results.values()} == {"mpi" if replica_plane == "auto" else "torch"}, results
+    if replica_plane == "auto":  # FSDP2's all-gathers and reduce-scatters crossed the hosts on the replica's MPI communicator
+        assert all(r["replica_plane_calls"] > 0 for r in results.values()), results
     assert job.returncode == 0, job.describe()
 
 
@@ -110,3 +123,27 @@ def _names(pids: list[int]) -> list[str]:
         except OSError:
             pass
     return out
+
+
+PLACE = (
+    "import os, socket, sys\n"
+    "from mpi4py import MPI\n"
+    "r = MPI.COMM_WORLD.Get_rank()\n"
+    "open(os.path.join(sys.argv[1], f'rank{r}'), 'w').write(socket.gethostname())\n"
+)
+
+
+@pytest.mark.parametrize(("map_by", "expected"), [(None, [0, 0, 1, 1]), ("node", [0, 1, 0, 1])])
+def test_the_harness_launcher_places_ranks_on_the_hosts(tmp_path: Path, fake_cluster: Any, map_by: str | None, expected: list[int]) -> None:
+    cluster: FakeCluster = fake_cluster(2)
+    job = cluster.launch(4, [sys.executable, "-c", PLACE, str(tmp_path)], timeout=60, map_by=map_by)
+    hosts = {int(f.name[4:]): f.read_text() for f in tmp_path.glob("rank*")}
+    assert hosts == {r: cluster.hosts[h].name for r, h in enumerate(expected)}, job.stderr
+
+
+def test_the_harness_launcher_ends_an_overrunning_job(fake_cluster: Any) -> None:
+    cluster: FakeCluster = fake_cluster(2)
+    with pytest.raises(TimeoutError, match="did not end in 5s"):
+        cluster.launch(4, [sys.executable, "-c", "import time; time.sleep(300)"], timeout=5)
+    anchors = {p.pid for p in cluster._anchors.values()}
+    assert all(set(cluster.processes(i)) <= anchors for i in range(2))  # nothing of the job is left on any host
