@@ -47,13 +47,14 @@ def route_address(peer_host: str) -> str:
 
 
 def reachable_address(hosts: Sequence[str], me: str | None = None) -> str:
-    """The address ranks on the other hosts of ``hosts`` reach this host at; ``127.0.0.1`` when all are this host.
+    """The address ranks on the other hosts of ``hosts`` reach this host at; ``127.0.0.1`` when all are on one host.
 
-    ``me``: this host's name (default ``socket.gethostname()``)."""
+    ``hosts``: where the members run, this rank among them (so one distinct name is this
+    host). ``me``: this host's name (default ``socket.gethostname()``)."""
+    if len(set(hosts)) <= 1:
+        return "127.0.0.1"
     me = me if me is not None else socket.gethostname()
     others = sorted(set(hosts) - {me})
-    if not others:
-        return "127.0.0.1"
     tried = []
     for peer in others:
         addr = route_address(peer)
