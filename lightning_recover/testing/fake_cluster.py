@@ -359,8 +359,10 @@ class FakeCluster:
         return self
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        self.teardown()
         previous = self._previous_sigterm
+        if previous == signal.SIG_IGN:
+            return  # the process chose to ignore SIGTERM: it lives on, and so do its hosts
+        self.teardown()
         if callable(previous):
             previous(signum, frame)
         else:  # default action: die of SIGTERM, as without the harness
