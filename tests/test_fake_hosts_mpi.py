@@ -125,6 +125,35 @@ def _names(pids: list[int]) -> list[str]:
     return out
 
 
+def test_replacements_rejoin_on_a_spare_host(tmp_path: Path, fake_cluster: Any) -> None:
+    # 3 hosts: the job runs on hosts 0 and 1 (2 replicas of 1 rank each), host 2 is the spare
+    # (recover.rejoin_hosts). Host 1 loses its ranks mid-reduce; replacements are spawned on
+    # host 2, healed from a survivor, and contribute again with B unchanged.
+    cluster: FakeCluster = fake_cluster(3)
+    spare = cluster.hosts[2].name
+    argv = ["--steps", "8", "--shards", "1", "--rejoin", "--rejoin-hosts", f"{spare}:2", "--slow-while-degraded", "4.0"]
+    faults = [{"step": 1, "rank": 2, "phase": "reduce", "kind": "hang"}]
+    seen: dict[str, Any] = {}
+
+    def lose_host_1_then_watch_host_2() -> None:
+        cluster.wait_until(lambda: cluster.stopped_ranks(1) == [2], 120, "rank 2 stopped in step 1's reduce")
+        seen["killed"] = cluster.kill_ranks(1)
+        # The replacements' processes (ranks 0 and 1 of their own spawned job) appear on the spare host.
+        seen["spare"] = sorted(cluster.wait_until(lambda: cluster.ranks(2), 120, "replacements on the spare host").values())  # type: ignore[union-attr]
+
+    job = train_worker(4, tmp_path, argv, faults, timeout=240, cluster=cluster, during=lose_host_1_then_watch_host_2)
+    assert (tmp_path / "ledger.jsonl").exists(), job.describe()
+    assert seen == {"killed": [2, 3], "spare": [0, 1]}, seen
+    results = assert_reference_run(job, argv, replicas=4)
+    ledger = read_ledger(tmp_path / "ledger.jsonl")
+    assert ledger[1]["faults"] == [2, 3], ledger
+    joined_at = [i for i, line in enumerate(ledger) if line["joined"]]
+    assert len(joined_at) == 1 and ledger[joined_at[0]]["joined"] == [2, 3], ledger
+    assert all(line["replicas"] == [0, 1, 2, 3] for line in ledger[joined_at[0] :]), ledger
+    assert sorted(results) == [0, 1, 2, 3] and all(r["global_step"] == 8 for r in results.values()), results
+    assert "replica(s) [2, 3] re-joined" in job.stderr, job.describe()
+
+
 PLACE = (
     "import os, socket, sys\n"
     "from mpi4py import MPI\n"
