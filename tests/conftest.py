@@ -10,17 +10,20 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "workers"))
 
 
+from collections.abc import Callable  # noqa: E402
+
 import pytest  # noqa: E402
 
-from lightning_recover.testing.fake_cluster import FakeCluster  # noqa: E402
+from lightning_recover.testing.fake_cluster import FakeCluster, cleanup_stale  # noqa: E402
 
 
 @pytest.fixture
-def fake_cluster(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+def fake_cluster(request: pytest.FixtureRequest) -> Callable[..., FakeCluster]:
     """``make(n_hosts=2, **options) -> FakeCluster``: started fake hosts, torn down when the test ends (passed, failed or
     timed out): every process on them killed, namespaces, links and /etc/netns entries deleted."""
 
     def make(n_hosts: int = 2, **options: object) -> FakeCluster:
+        cleanup_stale()  # what a SIGKILLed earlier run left (only instances whose owner process is gone)
         cluster = FakeCluster(n_hosts, **options)  # type: ignore[arg-type]
         request.addfinalizer(cluster.teardown)
         return cluster.start()

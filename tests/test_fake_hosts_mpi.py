@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,9 @@ def placement(cluster: FakeCluster, nprocs: int) -> dict[int, set[int]]:
     return cluster.wait_until(seen, 120, f"all {nprocs} ranks started on the fake hosts")  # type: ignore[return-value]
 
 
-def test_all_ranks_of_a_host_killed_mid_reduce_continue_in_place(tmp_path: Path, fake_cluster: Any) -> None:
+def test_all_ranks_of_a_host_killed_mid_reduce_continue_in_place(tmp_path: Path, fake_cluster: Callable[..., FakeCluster]) -> None:
     # 2 hosts x 2 replicas of 1 rank: ranks 0, 1 on host 0 (with mpiexec), ranks 2, 3 on host 1.
-    cluster: FakeCluster = fake_cluster(2)
+    cluster = fake_cluster(2)
     argv = ["--steps", str(STEPS), "--shards", "1"]
     # Rank 2 stops itself inside step 1's reduce (a hang fault: SIGSTOP), so the harness can kill
     # host 1's ranks exactly mid-reduce: rank 2 stopped in it, rank 3 waiting in it. Open MPI's
@@ -82,11 +83,11 @@ def test_all_ranks_of_a_host_killed_mid_reduce_continue_in_place(tmp_path: Path,
         ("gloo", "torch"),  # gloo everywhere: FSDP2's collectives between the hosts, the data plane's store on the leader
     ],
 )
-def test_a_replica_spanning_hosts_loses_one_hosts_rank(tmp_path: Path, fake_cluster: Any, data_plane: str, replica_plane: str) -> None:
+def test_a_replica_spanning_hosts_loses_one_hosts_rank(tmp_path: Path, fake_cluster: Callable[..., FakeCluster], data_plane: str, replica_plane: str) -> None:
     # 2 replicas x 2 shards, mapped by node: replica 0 = ranks 0 (host 0) + 1 (host 1), replica 1 =
     # ranks 2 (host 0) + 3 (host 1): both replicas span the hosts. Each host's own name resolves
     # to 127.0.1.1 there, as on Debian: a replica's rendezvous must not use it.
-    cluster: FakeCluster = fake_cluster(2, own_name_loopback=True)
+    cluster = fake_cluster(2, own_name_loopback=True)
     argv = ["--steps", str(STEPS), "--shards", "2", "--data-plane", data_plane, "--replica-plane", replica_plane]
     faults = [{"step": 1, "rank": 3, "phase": "reduce", "kind": "kill"}]
     seen: dict[str, Any] = {}
@@ -125,11 +126,11 @@ def _names(pids: list[int]) -> list[str]:
     return out
 
 
-def test_replacements_rejoin_on_a_spare_host(tmp_path: Path, fake_cluster: Any) -> None:
+def test_replacements_rejoin_on_a_spare_host(tmp_path: Path, fake_cluster: Callable[..., FakeCluster]) -> None:
     # 3 hosts: the job runs on hosts 0 and 1 (2 replicas of 1 rank each), host 2 is the spare
     # (recover.rejoin_hosts). Host 1 loses its ranks mid-reduce; replacements are spawned on
     # host 2, healed from a survivor, and contribute again with B unchanged.
-    cluster: FakeCluster = fake_cluster(3)
+    cluster = fake_cluster(3)
     spare = cluster.hosts[2].name
     argv = ["--steps", "8", "--shards", "1", "--rejoin", "--rejoin-hosts", f"{spare}:2", "--slow-while-degraded", "4.0"]
     faults = [{"step": 1, "rank": 2, "phase": "reduce", "kind": "hang"}]
@@ -163,15 +164,15 @@ PLACE = (
 
 
 @pytest.mark.parametrize(("map_by", "expected"), [(None, [0, 0, 1, 1]), ("node", [0, 1, 0, 1])])
-def test_the_harness_launcher_places_ranks_on_the_hosts(tmp_path: Path, fake_cluster: Any, map_by: str | None, expected: list[int]) -> None:
-    cluster: FakeCluster = fake_cluster(2)
+def test_the_harness_launcher_places_ranks_on_the_hosts(tmp_path: Path, fake_cluster: Callable[..., FakeCluster], map_by: str | None, expected: list[int]) -> None:
+    cluster = fake_cluster(2)
     job = cluster.launch(4, [sys.executable, "-c", PLACE, str(tmp_path)], timeout=60, map_by=map_by)
     hosts = {int(f.name[4:]): f.read_text() for f in tmp_path.glob("rank*")}
     assert hosts == {r: cluster.hosts[h].name for r, h in enumerate(expected)}, job.stderr
 
 
-def test_the_harness_launcher_ends_an_overrunning_job(fake_cluster: Any) -> None:
-    cluster: FakeCluster = fake_cluster(2)
+def test_the_harness_launcher_ends_an_overrunning_job(fake_cluster: Callable[..., FakeCluster]) -> None:
+    cluster = fake_cluster(2)
     with pytest.raises(TimeoutError, match="did not end in 5s"):
         cluster.launch(4, [sys.executable, "-c", "import time; time.sleep(300)"], timeout=5)
     anchors = {p.pid for p in cluster._anchors.values()}

@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,8 @@ def in_host(cluster: FakeCluster, host: int, code: str, env: dict[str, str] | No
     return json.loads(cluster.run(host, argv).stdout)
 
 
-def test_route_address_is_the_cluster_address_where_the_own_name_is_loopback(fake_cluster: Any) -> None:
-    cluster: FakeCluster = fake_cluster(2, own_name_loopback=True)
+def test_route_address_is_the_cluster_address_where_the_own_name_is_loopback(fake_cluster: Callable[..., FakeCluster]) -> None:
+    cluster = fake_cluster(2, own_name_loopback=True)
     a, b = cluster.hosts
     got = in_host(cluster, 0, f"print(json.dumps([socket.gethostbyname(socket.gethostname()), netaddr.reachable_address([{a.name!r}, {b.name!r}])]))")
     assert got == ["127.0.1.1", a.address]  # the old rule's answer, and the one the other host reaches
