@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,21 +57,25 @@ def _run_once(
     cluster: FakeCluster | None = None,
     map_by: str | None = None,
     during: Callable[[], None] | None = None,
+    mpi_args: Sequence[str] = (),
 ) -> MPIJob:
     """One ``lightning-recover launch -n nprocs -- python ARGS`` with OUT=outdir; killed after ``timeout``.
 
     With ``cluster`` the launcher runs on the fake cluster's head host and places the ranks
     on all its hosts (``map_by``: Open MPI's ``--map-by``); ``during()`` then runs while the
-    job does (host faults), and a timed-out job has every process of every host killed."""
+    job does (host faults), and a timed-out job has every process of every host killed.
+    ``mpi_args``: extra mpiexec arguments (the launcher's ``--mpi-arg``), e.g. Open MPI's
+    heartbeat detector without its thread."""
     outdir.mkdir(parents=True, exist_ok=True)
     if cluster is not None:
-        cmd = cluster.launcher_argv(nprocs, [sys.executable, *args], hang_timeout=hang_timeout, map_by=map_by, cwd=ROOT)
+        cmd = cluster.launcher_argv(nprocs, [sys.executable, *args], hang_timeout=hang_timeout, map_by=map_by, extra=mpi_args, cwd=ROOT)
     else:
         if map_by is not None or during is not None:
             raise ValueError("map_by and during apply to fake-cluster jobs only; pass cluster=")
         cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(nprocs)]
         if hang_timeout is not None:
             cmd += ["--hang-timeout", str(hang_timeout)]
+        cmd += [f"--mpi-arg={a}" for a in mpi_args]
         cmd += ["--", sys.executable, *args]
     full_env = dict(os.environ)
     pythonpath = os.pathsep.join([str(ROOT), str(BENCHMARKS)])

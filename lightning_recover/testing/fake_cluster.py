@@ -28,8 +28,10 @@ Where mpiexec runs
 
 Differences from real hosts (on purpose or unavoidable): one process-id space and one file
 system for all hosts (a rank's files are where the test reads them; a kill by pid from the
-harness reaches any host), and the ssh stand-in keeps mpiexec's environment (ssh would
-not), so ranks on other hosts see the launcher's environment variables.
+harness reaches any host; the launcher's status directory, a temporary directory on the
+head host, is seen by every host here, where a cluster without a shared ``/tmp`` would
+keep the other hosts' markers from it), and the ssh stand-in keeps mpiexec's environment
+(ssh would not), so ranks on other hosts see the launcher's environment variables.
 
 Use::
 
