@@ -58,7 +58,7 @@ def _launch(argv: list[str]) -> int:
         help="also turn on Open MPI's ULFM failure detector (thread) with --hang-timeout; needed when a "
         "node runs a single rank, but seen to crash at start-up beside torch in Open MPI 5.0.11",
     )
-    parser.add_argument("--mpi-arg", action="append", default=[], help="extra argument passed to mpiexec (repeatable)")
+    parser.add_argument("--mpi-arg", action="append", default=[], help="extra argument passed to mpiexec (repeatable); one that starts with a dash as --mpi-arg=--host")
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--hosts", metavar="H1:S1,H2:S2", help="hosts and their slots (mpiexec --host); default: this machine")
     where.add_argument("--hostfile", metavar="FILE", help="an Open MPI hostfile ('node slots=N' per line)")

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 import torch
 
-from lightning_recover import lifecycle, mpi_wait, quorum
+from lightning_recover import lifecycle, mpi_wait, netaddr, quorum
 from lightning_recover.data_plane import (
     DATA_PLANES,
     NATIVE,
@@ -409,6 +409,8 @@ class FaultTolerantComm:
             self.data_plane = FailedPlane(kind, self, self.world_epoch, size, f"peer failure during {exc.where}")
             return
         assert isinstance(address, tuple)
+        if kind == "gloo":  # members on several hosts: gloo must bind where the other hosts reach (see netaddr)
+            netaddr.prepare_gloo([self._procs[r][0] for r in self.members])
         self.data_plane = TorchDistDataPlane(
             kind, self, world_epoch=self.world_epoch, shard=self.shard, rank=self.shard_comm.Get_rank(), size=size,
             address=address, store=store, timeout_s=self.plane_timeout_s,

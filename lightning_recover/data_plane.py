@@ -55,7 +55,6 @@ small and stay on MPI whatever the setting.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -66,7 +65,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import torch
 
-from lightning_recover import mpi_wait
+from lightning_recover import mpi_wait, netaddr
 from lightning_recover.config import DATA_PLANES, ConfigurationError
 from lightning_recover.recovery.buckets import Bucket
 from lightning_recover.recovery.interface import PeerFailure
@@ -268,7 +267,8 @@ def host_store(hosts: Sequence[str], timeout_s: float) -> tuple[dist.TCPStore, t
     ``hosts``: where the members run (loopback when that is this host only)."""
     import torch.distributed as dist
 
-    addr = "127.0.0.1" if len(set(hosts)) <= 1 else socket.gethostbyname(socket.gethostname())
+    # Not gethostbyname(gethostname()): 127.0.1.1 on Debian-style hosts (see lightning_recover.netaddr).
+    addr = netaddr.reachable_address(hosts)
     # Port 0: the OS picks a free port at bind time, so nothing can take it between choosing and binding.
     store = dist.TCPStore(addr, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
     return store, (addr, int(store.port))

@@ -322,6 +322,27 @@ def mark_status(what: Status, rank: int, detail: str = "") -> None:
 
 
 # ---------------------------------------------------------------------- leaving
+def _default_disposition(sig: signal.Signals) -> None:
+    """Give ``sig`` its default action (death), from any thread.
+
+    ``signal.signal`` works on the main thread only, but the gate is also reached on the
+    overlapped reduction's helper thread (seen on fake hosts: ``ValueError: signal only
+    works in main thread`` turned a gate exit into a crash). There the C library's
+    ``signal`` resets the process-wide disposition that Python's handler sits on."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(sig, signal.SIG_DFL)
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    if libc.signal(int(sig), 0) == ctypes.c_void_p(-1).value:  # SIG_DFL is 0, SIG_ERR is -1
+        raise OSError(ctypes.get_errno(), f"could not reset {sig.name} to its default action from thread {threading.current_thread().name}")
+
+
 def gate_exit(rank: int, reason: str) -> NoReturn:
     """Leave through the replica-consistency gate: one stderr line, then :data:`GATE_SIGNAL`.
 
@@ -336,7 +357,7 @@ def gate_exit(rank: int, reason: str) -> NoReturn:
     )
     sys.stdout.flush()
     time.sleep(_OUTPUT_DRAIN_S)
-    signal.signal(GATE_SIGNAL, signal.SIG_DFL)
+    _default_disposition(GATE_SIGNAL)
     os.kill(os.getpid(), GATE_SIGNAL)
     time.sleep(5)  # the signal is delivered before this returns; never run on as a zombie member
     os._exit(GATE_EXIT_CODE)

@@ -1,13 +1,15 @@
-"""Test set-up: import paths for the harness, the workers and benchmarks/, and the session's local Slurm."""
+"""Test set-up: import paths for the harness, the workers and benchmarks/; the session's local Slurm; fake hosts."""
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+
+from lightning_recover.testing.fake_cluster import FakeCluster, cleanup_stale
 
 HERE = Path(__file__).resolve().parent
 # mpirun.py (the launcher harness) and the worker modules are imported by the tests, and so
@@ -31,3 +33,18 @@ def slurm() -> Iterator[LocalSlurm]:
 
     with LocalSlurm() as cluster:
         yield cluster
+
+
+
+@pytest.fixture
+def fake_cluster(request: pytest.FixtureRequest) -> Callable[..., FakeCluster]:
+    """``make(n_hosts=2, **options) -> FakeCluster``: started fake hosts, torn down when the test ends (passed, failed or
+    timed out): every process on them killed, namespaces, links and /etc/netns entries deleted."""
+
+    def make(n_hosts: int = 2, **options: object) -> FakeCluster:
+        cleanup_stale()  # what a SIGKILLed earlier run left (only instances whose owner process is gone)
+        cluster = FakeCluster(n_hosts, **options)  # type: ignore[arg-type]
+        request.addfinalizer(cluster.teardown)
+        return cluster.start()
+
+    return make

@@ -12,11 +12,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_recover.launcher import RUNTIME_START_FAILURE
+
+if TYPE_CHECKING:
+    from lightning_recover.testing.fake_cluster import FakeCluster
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
@@ -49,13 +54,29 @@ def _run_once(
     timeout: float = 120,
     hang_timeout: float | None = None,
     env: dict[str, str] | None = None,
+    cluster: FakeCluster | None = None,
+    map_by: str | None = None,
+    during: Callable[[], None] | None = None,
+    mpi_args: Sequence[str] = (),
 ) -> MPIJob:
-    """One ``lightning-recover launch -n nprocs -- python ARGS`` with OUT=outdir; killed after ``timeout``."""
+    """One ``lightning-recover launch -n nprocs -- python ARGS`` with OUT=outdir; killed after ``timeout``.
+
+    With ``cluster`` the launcher runs on the fake cluster's head host and places the ranks
+    on all its hosts (``map_by``: Open MPI's ``--map-by``); ``during()`` then runs while the
+    job does (host faults), and a timed-out job has every process of every host killed.
+    ``mpi_args``: extra mpiexec arguments (the launcher's ``--mpi-arg``), e.g. Open MPI's
+    heartbeat detector without its thread."""
     outdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(nprocs)]
-    if hang_timeout is not None:
-        cmd += ["--hang-timeout", str(hang_timeout)]
-    cmd += ["--", sys.executable, *args]
+    if cluster is not None:
+        cmd = cluster.launcher_argv(nprocs, [sys.executable, *args], hang_timeout=hang_timeout, map_by=map_by, extra=mpi_args, cwd=ROOT)
+    else:
+        if map_by is not None or during is not None:
+            raise ValueError("map_by and during apply to fake-cluster jobs only; pass cluster=")
+        cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(nprocs)]
+        if hang_timeout is not None:
+            cmd += ["--hang-timeout", str(hang_timeout)]
+        cmd += [f"--mpi-arg={a}" for a in mpi_args]
+        cmd += ["--", sys.executable, *args]
     full_env = dict(os.environ)
     pythonpath = os.pathsep.join([str(ROOT), str(BENCHMARKS)])
     full_env.update({"LR_TEST_OUT": str(outdir), "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath})
@@ -63,12 +84,25 @@ def _run_once(
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    # ``during`` runs beside the job, on a thread, while this one drains the job's pipes (a
+    # full pipe would stall the ranks); if it fails, the job is ended and its error raised.
+    failed: list[BaseException] = []
+
+    def run_during() -> None:
+        assert during is not None
+        try:
+            during()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread below
+            failed.append(exc)
+            _stop_job(proc, cluster)
+
+    helper = threading.Thread(target=run_during, name="mpirun-during", daemon=True) if during is not None else None
     try:
+        if helper is not None:
+            helper.start()
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # SIGTERM first: the launcher forwards it to mpiexec's own session and then SIGKILLs
-        # that session; a SIGKILL here would orphan mpiexec's ranks, which hold our pipes.
-        os.killpg(proc.pid, signal.SIGTERM)
+        _stop_job(proc, cluster)
         try:
             stdout, stderr = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
@@ -80,9 +114,30 @@ def _run_once(
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return MPIJob(proc.returncode, stdout, stderr, outdir)
+    job = MPIJob(proc.returncode, stdout, stderr, outdir)
+    if helper is not None:
+        helper.join(timeout=60)
+        if failed:
+            raise AssertionError(f"the fault injection beside the job failed: {failed[0]!r}\n{job.describe()}") from failed[0]
+    return job
 
 
+def _stop_job(proc: subprocess.Popen[str], cluster: FakeCluster | None) -> None:
+    """End a launched job (it overran, or its fault injection failed) without reading its pipes."""
+    # SIGTERM first: the launcher forwards it to mpiexec's own session and then SIGKILLs
+    # that session; a SIGKILL here would orphan mpiexec's ranks, which hold our pipes.
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    if cluster is not None:
+        # Ranks on the other fake hosts run in sessions of their own (as under sshd) and hold
+        # our pipes too: give the launcher its chance, then end every process on every host.
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        cluster.kill_everything()
 
 
 def run_mpi(nprocs: int, args: list[str], outdir: Path, **options: Any) -> MPIJob:
@@ -99,15 +154,19 @@ def run_mpi(nprocs: int, args: list[str], outdir: Path, **options: Any) -> MPIJo
 
 
 def train_worker(
-    nprocs: int, outdir: Path, argv: list[str], faults: list[dict], timeout: float = 240, data_plane: str | None = None
+    nprocs: int, outdir: Path, argv: list[str], faults: list[dict], timeout: float = 240, data_plane: str | None = None,
+    **options: Any,
 ) -> MPIJob:
     """``tests/workers/train_worker.py ARGV --faults FAULTS`` on ``nprocs`` ranks.
 
     ``data_plane`` sets recover.data_plane; None leaves train_worker's default, which is
     ``$RECOVER_TEST_DATA_PLANE`` (``RECOVER_TEST_DATA_PLANE=gloo python -m pytest ...`` runs
-    every launched train_worker job over the gloo data plane), else mpi."""
+    every launched train_worker job over the gloo data plane), else mpi. ``options``: see ``_run_once``
+    (``cluster``, ``map_by``, ``during``, ``hang_timeout``, ``env``)."""
     plane = ["--data-plane", data_plane] if data_plane is not None else []
-    return run_mpi(nprocs, ["tests/workers/train_worker.py", *argv, *plane, "--faults", json.dumps(faults)], outdir, timeout=timeout)
+    return run_mpi(
+        nprocs, ["tests/workers/train_worker.py", *argv, *plane, "--faults", json.dumps(faults)], outdir, timeout=timeout, **options
+    )
 
 
 def ledger_lines(job: MPIJob) -> list[dict]:

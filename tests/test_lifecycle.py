@@ -173,6 +173,19 @@ def test_gate_exit_dies_by_its_signal_with_one_line() -> None:
     )
 
 
+def test_gate_exit_from_a_helper_thread_dies_by_its_signal() -> None:
+    # The overlapped reduction runs on a helper thread and may reach the gate there.
+    helper = GATE.replace('lifecycle.gate_exit(3, "replica 1 lost rank(s) [2]")', (
+        "import threading, time\n"
+        "t = threading.Thread(target=lifecycle.gate_exit, args=(3, 'replica 1 lost rank(s) [2]'))\n"
+        "t.start(); t.join(); time.sleep(2)"
+    ))
+    proc = subprocess.run([sys.executable, "-c", helper], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGUSR1, (proc.returncode, proc.stderr)
+    assert proc.stdout == "", "neither an installed handler nor the code after gate_exit may run"
+    assert "replica-consistency gate" in proc.stderr and "Error" not in proc.stderr, proc.stderr
+
+
 def test_gate_status_through_a_shell() -> None:
     proc = subprocess.run(["sh", "-c", f"{shlex.quote(sys.executable)} -c {shlex.quote(GATE)}; echo status=$?"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip().splitlines()[-1] == f"status={lifecycle.GATE_EXIT_CODE}"

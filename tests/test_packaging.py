@@ -123,11 +123,23 @@ class _NoULFM:
     """An mpi4py.MPI whose library lacks ULFM (MPICH, an Open MPI built without it)."""
 
     class Exception(Exception):  # noqa: N818 - mirrors MPI.Exception
-        pass
+        def Get_error_class(self) -> int:  # noqa: N802 - mpi4py's name
+            return _NoULFM.ERR_REVOKED
+
+    ERR_REVOKED = 77
+    ERRORS_RETURN = None
 
     def __init__(self, library: str, has_agree: bool) -> None:
         self.library = library
-        self.COMM_SELF = SimpleNamespace(Agree=(lambda flag: flag) if has_agree else self._no_agree)
+        self.COMM_SELF = SimpleNamespace(Agree=(lambda flag: flag) if has_agree else self._no_agree, Dup=self._revocable)
+
+    def _revocable(self) -> SimpleNamespace:
+        """A duplicate whose revoke works (ULFM compiled in): the trial revoke passes."""
+
+        def barrier() -> None:
+            raise self.Exception("MPI_ERR_REVOKED")
+
+        return SimpleNamespace(Set_errhandler=lambda h: None, Revoke=lambda: None, Barrier=barrier, Free=lambda: None)
 
     @staticmethod
     def _no_agree(flag: int) -> int:

@@ -254,6 +254,7 @@ class StepEngine:
                         st.send[::-1], st.out[::-1], handle=st.handle, on_bucket=self._before_bucket, after_bucket=self._after_bucket
                     )
                     self.comm.allreduce([head_in], [head_out], across="world")
+                    self._check_counted(head_out)
                     step_values.check_header(head_out, keys)
                     if keys:
                         self.comm.allreduce([logged_in], [logged_out], across="world")
@@ -285,6 +286,18 @@ class StepEngine:
         for grad, total in zip(st.local, st.out):
             grad.copy_(total).div_(divisor)
         return st.plan.divisor
+
+    def _check_counted(self, head_out: torch.Tensor) -> None:
+        """Every world member's header is in the sum (each counts 1), else the reduction was cut short.
+
+        Open MPI 5.0.x's non-blocking collectives can complete on a survivor although a peer
+        died or the world was revoked during them (libnbc prints "aborting the schedule"):
+        seen on fake hosts, where a replica's surviving mate then read a half-reduced header
+        as the user's logging mistake. Such a round failed; the agreement that follows
+        fails it for everyone and the repair sees who died."""
+        counted, members = float(head_out[2]), len(self.comm.members)
+        if counted != members:
+            raise PeerFailure((), f"the step header's reduction (it counted {counted:g} of the world's {members} ranks: cut short by a failure)")
 
     def finish(self) -> dict[str, Any]:
         """After ``optimizer.step``: the policy commits; returns the step's ledger record and ends the step."""

@@ -63,6 +63,11 @@ class ReplicaComm(Protocol):
     world_epoch: int
     alive_replicas: tuple[int, ...]
 
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Original world ranks of the current world, ascending."""
+        ...
+
     def plan(self, tensors: Sequence[Any]) -> ReduceHandle: ...
 
     def allreduce(

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from lightning_recover import netaddr
 from lightning_recover.communicator import FaultTolerantComm
 from lightning_recover.strategies.replica_plane import ReplicaPlaneError
 
@@ -26,9 +27,16 @@ def init_replica_group(
     """``init_process_group`` over this replica's ranks, on a TCPStore hosted by its shard 0.
 
     ``gather`` collects one value from each rank of this replica, by shard (e.g. the
-    ``allgather`` of the replica's MPI communicator)."""
+    ``allgather`` of the replica's MPI communicator).
+
+    A replica on one host meets on the loopback. One that spans hosts meets at shard 0's
+    address on its route to a mate's host (:func:`lightning_recover.netaddr.reachable_address`;
+    not what its own name resolves to, ``127.0.1.1`` on Debian), and every rank points gloo at
+    its interface towards the mates (:func:`lightning_recover.netaddr.prepare_gloo`)."""
     hosts = gather(socket.gethostname())
-    addr = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname())
+    addr = netaddr.reachable_address(hosts)
+    if backend == "gloo":
+        netaddr.prepare_gloo(hosts)
     timeout = timedelta(seconds=timeout_s)
     store = None
     if comm.shard == 0:

@@ -1,0 +1,9 @@
+"""Test support for lightning-recover, shipped with the package so that the test suite and the
+chaos campaign (``benchmarks/chaos.py``) share one implementation.
+
+:mod:`lightning_recover.testing.fake_cluster` builds fake hosts on one Linux machine (network
+namespaces on a private bridge, each with its own hostname and ``/dev/shm``), runs the
+project's launcher across them, and injects host-level faults: all ranks of a host killed,
+the whole host lost with Open MPI's daemon, a frozen host, a partitioned or flapping link.
+Nothing here is imported by the training path.
+"""
