@@ -76,9 +76,9 @@ def _launch(argv: list[str]) -> int:
     sup.add_argument("--relaunch-backoff", type=float, default=1.0, metavar="SECONDS", help="wait before the first relaunch, doubling (max 60 s)")
     sup.add_argument("--resume-arg", default=DEFAULT_RESUME_ARG, metavar="ARG",
                      help=f"appended to CMD on a relaunch when a checkpoint exists (default {DEFAULT_RESUME_ARG!r})")
-    sup.add_argument("--status-dir", metavar="DIR",
-                     help="where the ranks leave their status markers (default: a temporary directory here); "
-                     "on several hosts give a directory every host shares")
+    parser.add_argument("--status-dir", metavar="DIR",
+                        help="where the ranks leave their status markers, kept after the job (default: a temporary "
+                        "directory here, removed); on several hosts give a directory every host shares")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -111,7 +111,10 @@ def _launch(argv: list[str]) -> int:
         else:
             hosts = slurm_allocation()  # None outside Slurm: this machine
         if not args.supervise:
-            return launch(nprocs, command, hang_timeout=detector, extra=list(args.mpi_arg), hosts=hosts, unbound=unbound)
+            return launch(
+                nprocs, command, hang_timeout=detector, extra=list(args.mpi_arg), hosts=hosts, unbound=unbound,
+                status_root=args.status_dir,
+            )
         if args.checkpoint_dir is None:
             raise ValueError("--supervise needs --checkpoint-dir DIR (the job's recover.checkpoint.dir), where a relaunch resumes from")
         policy = SupervisionPolicy(

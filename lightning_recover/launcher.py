@@ -23,6 +23,7 @@ decides, this module runs, probes and measures.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -412,9 +413,12 @@ def launch(
     *,
     hosts: Sequence[Host] | None = None,
     unbound: bool = False,
+    status_root: str | None = None,
 ) -> int:
     """Run the job and return its status; non-zero (1 unless mpiexec's was) if ranks started
     but none of them ended normally. ``hosts`` None: this machine; ``unbound``: see :func:`build_command`.
+    ``status_root``: where the ranks leave their status markers, in a new folder that is kept
+    (``--status-dir``; on several hosts a folder they all share); default a temporary one here.
 
     With ULFM, mpiexec reports 0 even when every rank died by a signal (each death is a
     "recoverable" failure); the markers tell a job in which nobody survived, and whether
@@ -430,7 +434,13 @@ def launch(
     env = launch_env()
     # Only hosts that are all this machine let the stuck-abort rule see every rank (module docstring).
     here = hosts is None or all(h.name in local_host_names() for h in hosts)
-    with tempfile.TemporaryDirectory(prefix="lightning-recover-status-") as status_dir:
+    if status_root is not None:
+        os.makedirs(status_root, exist_ok=True)
+        # Kept: a rank of a cut-off host may leave its marker after the launcher is gone.
+        where: Any = contextlib.nullcontext(tempfile.mkdtemp(prefix="job-", dir=status_root))
+    else:
+        where = tempfile.TemporaryDirectory(prefix="lightning-recover-status-")
+    with where as status_dir:
         env[ENV_STATUS_DIR] = status_dir
         status = run_supervised(
             argv, env, nprocs=nprocs if here else None, finished=lambda: JobMarkers.read(status_dir).finished

@@ -58,6 +58,7 @@ def _run_once(
     map_by: str | None = None,
     during: Callable[[], None] | None = None,
     mpi_args: Sequence[str] = (),
+    launcher_options: Sequence[str] = (),
 ) -> MPIJob:
     """One ``lightning-recover launch -n nprocs -- python ARGS`` with OUT=outdir; killed after ``timeout``.
 
@@ -65,13 +66,17 @@ def _run_once(
     on all its hosts (``map_by``: Open MPI's ``--map-by``); ``during()`` then runs while the
     job does (host faults), and a timed-out job has every process of every host killed.
     ``mpi_args``: extra mpiexec arguments (the launcher's ``--mpi-arg``), e.g. Open MPI's
-    heartbeat detector without its thread."""
+    heartbeat detector without its thread. ``launcher_options``: more ``lightning-recover launch``
+    options (fake-cluster jobs only), e.g. ``--status-dir``."""
     outdir.mkdir(parents=True, exist_ok=True)
     if cluster is not None:
-        cmd = cluster.launcher_argv(nprocs, [sys.executable, *args], hang_timeout=hang_timeout, map_by=map_by, extra=mpi_args, cwd=ROOT)
+        cmd = cluster.launcher_argv(
+            nprocs, [sys.executable, *args], hang_timeout=hang_timeout, map_by=map_by, extra=mpi_args, cwd=ROOT,
+            launcher_options=launcher_options,
+        )
     else:
-        if map_by is not None or during is not None:
-            raise ValueError("map_by and during apply to fake-cluster jobs only; pass cluster=")
+        if map_by is not None or during is not None or launcher_options:
+            raise ValueError("map_by, during and launcher_options apply to fake-cluster jobs only; pass cluster=")
         cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(nprocs)]
         if hang_timeout is not None:
             cmd += ["--hang-timeout", str(hang_timeout)]
@@ -81,9 +86,21 @@ def _run_once(
     pythonpath = os.pathsep.join([str(ROOT), str(BENCHMARKS)])
     full_env.update({"LR_TEST_OUT": str(outdir), "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath})
     full_env.update(env or {})
+    # On fake hosts the launcher's output goes to files: a cut-off or frozen host's daemon
+    # (started through the ssh stand-in, in a session of its own) outlives mpiexec and would
+    # hold pipes open until teardown, though the launcher ended long before.
+    sink = [open(outdir / f"launcher.{name}", "w+") for name in ("stdout", "stderr")] if cluster is not None else None
     proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd, cwd=ROOT, env=full_env, stdout=sink[0] if sink else subprocess.PIPE, stderr=sink[1] if sink else subprocess.PIPE,
+        text=True, start_new_session=True,
     )
+
+    def communicate(timeout: float) -> tuple[str, str]:
+        if sink is None:
+            return proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
+        return tuple(Path(f.name).read_text(errors="replace") for f in sink)  # type: ignore[return-value]
+
     # ``during`` runs beside the job, on a thread, while this one drains the job's pipes (a
     # full pipe would stall the ranks); if it fails, the job is ended and its error raised.
     failed: list[BaseException] = []
@@ -100,23 +117,25 @@ def _run_once(
     try:
         if helper is not None:
             helper.start()
-        stdout, stderr = proc.communicate(timeout=timeout)
+        stdout, stderr = communicate(timeout)
     except subprocess.TimeoutExpired:
         _stop_job(proc, cluster)
         try:
-            stdout, stderr = proc.communicate(timeout=30)
+            stdout, stderr = communicate(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate(timeout=30)
+            stdout, stderr = communicate(30)
         raise AssertionError(f"mpiexec job timed out after {timeout}s: {args}\n{stdout[-3000:]}\n{stderr[-5000:]}")
     finally:
         try:  # reap stragglers (e.g. SIGSTOPped ranks) that outlived mpiexec
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for f in sink or ():
+            f.close()
     job = MPIJob(proc.returncode, stdout, stderr, outdir)
     if helper is not None:
-        helper.join(timeout=60)
+        helper.join(timeout=120)
         if failed:
             raise AssertionError(f"the fault injection beside the job failed: {failed[0]!r}\n{job.describe()}") from failed[0]
     return job

@@ -510,8 +510,11 @@ class FakeCluster:
         map_by: str | None = None,
         extra: Sequence[str] = (),
         cwd: str | os.PathLike[str] | None = None,
+        launcher_options: Sequence[str] = (),
     ) -> list[str]:
         """``python -m lightning_recover.cli launch -n N ... -- COMMAND`` run on the head host, placing ranks on all hosts.
+
+        ``launcher_options``: more options of ``lightning-recover launch`` (``--status-dir D``, ``--supervise`` ...).
 
         ``map_by``: Open MPI's ``--map-by`` (``node``: rank r on host r % n_hosts, so a
         replica of consecutive ranks spans hosts; default: fill each host's slots in turn)."""
@@ -521,7 +524,7 @@ class FakeCluster:
         if mpi_detector:
             launch.append("--mpi-detector")
         # "--mpi-arg=VALUE": VALUE itself starts with dashes, which argparse would take for an option otherwise.
-        launch += [f"--mpi-arg={a}" for a in [*self.mpi_args(map_by=map_by), *extra]]
+        launch += [*launcher_options, *(f"--mpi-arg={a}" for a in [*self.mpi_args(map_by=map_by), *extra])]
         return self.enter_argv(self.head, cwd) + launch + ["--", *command]
 
     def launch(
