@@ -10,6 +10,27 @@ user's script under its original argv; the strategy finds the seat with
 A timer bounds the whole wait: a replacement that is not admitted within the seat's
 timeout (its attempt was dropped, the survivors died or finished) leaves by itself; if it
 is wedged inside MPI (MPI_Init with its parents gone), SIGALRM ends it shortly after.
+
+**The job's world.** A replacement's ``MPI.COMM_WORLD`` and the launcher's variables
+(``OMPI_COMM_WORLD_SIZE``, ``OMPI_COMM_WORLD_RANK``) describe its *spawn*: the k processes
+of its attempt. The script must see the job it joins -- a fault schedule naming rank 3 of
+a 4-rank job is valid there, and ``rank0.json`` must not be written by a replacement of
+rank 2 -- so before the script runs this sets ``OMPI_COMM_WORLD_SIZE`` to the job's size
+and ``OMPI_COMM_WORLD_RANK`` to the logical rank taken over (:func:`job_environment`).
+Here, once, because every reader (the strategy's cluster environment, a script's own
+rank and world checks, Lightning's MPI environment) reads them, and none runs before the
+script; MPI read its own settings at initialization, above, so nothing in MPI changes.
+``MPI.COMM_WORLD`` itself cannot be changed: ask the strategy (``strategy.world_size``)
+or these variables for the job's size, never ``MPI.COMM_WORLD.Get_size()``.
+
+**Leaving before admission.** A replacement whose script ends before it was admitted --
+``sys.exit(3)`` from a failed check, an uncaught exception, or simply returning -- leaves
+by ``SIGKILL`` after one stderr line, never by a plain exit status: Open MPI 5.0.11 never
+reports a spawned process that exited with a non-zero status to the survivors (see
+:mod:`lightning_recover.lifecycle`), while a killed one is an ordinary process failure,
+and the survivors drop the attempt at their next step boundary instead of after
+``rejoin_timeout_s``. (The survivors never wait on an unreported death either; this only
+makes the drop prompt.) After admission the script's exit is the script's.
 """
 
 from __future__ import annotations
@@ -20,6 +41,8 @@ import runpy
 import signal
 import sys
 import threading
+import time
+import traceback
 
 from lightning_recover import lifecycle, rejoin
 
@@ -56,6 +79,24 @@ def admitted() -> None:
     signal.alarm(0)
 
 
+def job_environment(seat: rejoin.Seat, child_rank: int) -> dict[str, str]:
+    """The launcher variables that describe the job, for the ``child_rank``-th process of ``seat``'s spawn."""
+    world = seat.context.get("world_size")
+    if not isinstance(world, int) or world < 1:
+        raise SystemExit(f"lightning_recover.joiner: the seat has no job world size (context world_size={world!r}); "
+                         "the survivors' lightning-recover is older than this one: run one version on every node")
+    return {"OMPI_COMM_WORLD_SIZE": str(world), "OMPI_COMM_WORLD_RANK": str(seat.ranks[child_rank])}
+
+
+def _left_before_admission(rank: int, how: str) -> None:
+    """Leave as a process failure the survivors are told about (see the module docstring)."""
+    print(f"[lightning-recover] replacement for rank {rank}: {how} before it was admitted; leaving by SIGKILL",
+          file=sys.__stderr__, flush=True)
+    sys.stdout.flush()
+    time.sleep(lifecycle.OUTPUT_DRAIN_S)  # Open MPI drops the output of a process killed right after writing it
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
         raise SystemExit("usage: python -m lightning_recover.joiner SEAT SCRIPT [ARGS...] (spawned by lightning-recover)")
@@ -72,9 +113,24 @@ def main(argv: list[str]) -> None:
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     children = MPI.COMM_WORLD.Dup()
     children.Set_errhandler(MPI.ERRORS_RETURN)
-    rejoin._set_joining(rejoin.Joining(seat, children, merged))
+    joining = rejoin.Joining(seat, children, merged)
+    rejoin._set_joining(joining)
+    os.environ.update(job_environment(seat, children.Get_rank()))
     sys.argv = argv[1:]
-    runpy.run_path(argv[1], run_name="__main__")
+    try:
+        runpy.run_path(argv[1], run_name="__main__")
+    except SystemExit as exc:
+        if _admitted.is_set():
+            raise
+        code = exc.code if exc.code is not None else 0
+        _left_before_admission(joining.rank, f"the script exited (status {code})")
+    except BaseException:
+        if _admitted.is_set():
+            raise
+        traceback.print_exc(file=sys.__stderr__)
+        _left_before_admission(joining.rank, "the script raised")
+    if not _admitted.is_set():
+        _left_before_admission(joining.rank, "the script ended")
 
 
 if __name__ == "__main__":

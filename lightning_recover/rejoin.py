@@ -61,6 +61,10 @@ __all__ = ["JoinAttempt", "Recruiter", "Seat", "recv_state", "send_state", "seat
 
 log = logging.getLogger(__name__)
 
+#: Seconds an admission may wait for every member beyond the attempt's limit (one that became
+#: ready just before ``rejoin_timeout_s`` still gets this long to meet the survivors).
+ADMIT_GRACE_S = 10.0
+
 TAG_READY = 7301
 TAG_DECISION = 7302
 TAG_STATE = 7303
@@ -294,12 +298,19 @@ class Recruiter:
             self._abort(att)
 
     def _abort(self, att: JoinAttempt) -> None:
-        """Tell the replacements ABORT, never blocking: a send to one that is gone must not hold a survivor."""
+        """Tell the replacements that said READY to leave, never blocking; the others are not contacted.
+
+        A first send to a process opens the connection to it, and Open MPI looks its address
+        up in the runtime then: for a replacement that died unreported (two that exited with
+        a non-zero status in one attempt: only the first death reached the survivors) that
+        lookup waits forever, inside ``Isend``, on the survivor's main thread. A replacement
+        that said READY is connected already (its message came in); one that did not is dead,
+        wedged or still starting, and leaves by its own timer (:mod:`lightning_recover.joiner`)."""
         MPI = _mpi()
         if self.comm.is_leader and att.merged is not None:
             abort = np.array([ABORT], dtype=np.int64)
             self._sent.append(abort)  # the buffer outlives the freed requests
-            for r in att.joiner_ranks():
+            for r in sorted(att.ready):
                 try:
                     att.merged.Isend([abort, MPI.INT64_T], dest=r, tag=TAG_DECISION).Free()
                 except MPI.Exception:
@@ -327,24 +338,26 @@ class Recruiter:
             )
 
     def admit(self, att: JoinAttempt) -> bool:
-        """Send GO and grow the world (every survivor); False, with the attempt dropped, if a member died."""
+        """Send GO and grow the world (every survivor); False, with the attempt dropped, if a member died
+        or did not come within the attempt's time (at least :data:`ADMIT_GRACE_S` from now)."""
         MPI = _mpi()
         assert att.thread is not None
-        att.thread.join()  # the leader's merge completed, so every survivor's does
-        if att.merged is None:
-            raise RuntimeError(f"re-join attempt {att.number}: the merge completed on the leader but not here ({att.error})")
-        if self.comm.is_leader:
+        deadline = max(att.started + self.timeout_s, time.monotonic() + ADMIT_GRACE_S)
+        # The leader's merge completed, so every survivor's should have; a survivor whose merge
+        # did not complete in time says so in grow's agreement, and the attempt is dropped everywhere.
+        att.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self.comm.is_leader and att.merged is not None:
             go = np.array([GO], dtype=np.int64)
             self._sent.append(go)
-            for r in att.joiner_ranks():
+            for r in att.joiner_ranks():  # every one said READY: connected, the send cannot wait on the runtime
                 try:
                     att.merged.Isend([go, MPI.INT64_T], dest=r, tag=TAG_DECISION).Free()
                 except MPI.Exception:
                     pass  # grow's agreement below fails everywhere
-        if not self.comm.grow(att.merged):
+        if not self.comm.grow(att.merged, deadline=deadline):
             att.merged = None  # gone members: never reuse it
             self.attempt = att
-            self.drop("a member died while the world grew")
+            self.drop("a replacement died or did not come while the world grew")
             return False
         self.attempt = None
         self.failures_in_a_row = 0
