@@ -16,12 +16,15 @@ is wedged inside MPI (MPI_Init with its parents gone), SIGALRM ends it shortly a
 of its attempt. The script must see the job it joins -- a fault schedule naming rank 3 of
 a 4-rank job is valid there, and ``rank0.json`` must not be written by a replacement of
 rank 2 -- so before the script runs this sets ``OMPI_COMM_WORLD_SIZE`` to the job's size
-and ``OMPI_COMM_WORLD_RANK`` to the logical rank taken over (:func:`job_environment`).
-Here, once, because every reader (the strategy's cluster environment, a script's own
-rank and world checks, Lightning's MPI environment) reads them, and none runs before the
-script; MPI read its own settings at initialization, above, so nothing in MPI changes.
-``MPI.COMM_WORLD`` itself cannot be changed: ask the strategy (``strategy.world_size``)
-or these variables for the job's size, never ``MPI.COMM_WORLD.Get_size()``.
+and ``OMPI_COMM_WORLD_RANK`` to the logical rank taken over (:func:`job_environment`),
+along with the survivors' own job settings (``LR_*``, ``LIGHTNING_RECOVER_*``, e.g. the
+example's run directory stamp). Here, once, because every reader (the strategy's cluster
+environment, the example's configuration and fault-schedule checks, a script's own rank
+checks) reads these variables and none runs before the script; MPI read its own settings
+at initialization, above, so nothing in MPI changes. ``MPI.COMM_WORLD`` itself cannot be
+changed, and neither are the per-host ``OMPI_COMM_WORLD_LOCAL_*`` (they describe this
+spawn's placement): ask the strategy (``strategy.world_size``) or ``OMPI_COMM_WORLD_SIZE``
+for the job's size, never ``MPI.COMM_WORLD.Get_size()``.
 
 **Leaving before admission.** A replacement whose script ends before it was admitted --
 ``sys.exit(3)`` from a failed check, an uncaught exception, or simply returning -- leaves
@@ -80,12 +83,16 @@ def admitted() -> None:
 
 
 def job_environment(seat: rejoin.Seat, child_rank: int) -> dict[str, str]:
-    """The launcher variables that describe the job, for the ``child_rank``-th process of ``seat``'s spawn."""
+    """What the script of the ``child_rank``-th process of ``seat``'s spawn must find in its environment:
+    the survivors' job settings (:func:`lightning_recover.rejoin.job_environ`) and the
+    launcher variables of the job's world, this process's being the logical rank it takes over."""
     world = seat.context.get("world_size")
-    if not isinstance(world, int) or world < 1:
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
         raise SystemExit(f"lightning_recover.joiner: the seat has no job world size (context world_size={world!r}); "
-                         "the survivors' lightning-recover is older than this one: run one version on every node")
-    return {"OMPI_COMM_WORLD_SIZE": str(world), "OMPI_COMM_WORLD_RANK": str(seat.ranks[child_rank])}
+                         "the survivors run another version of lightning-recover: install one version on every node")
+    environ = {str(k): str(v) for k, v in dict(seat.context.get("environ", {})).items()}
+    environ.update({"OMPI_COMM_WORLD_SIZE": str(world), "OMPI_COMM_WORLD_RANK": str(seat.ranks[child_rank])})
+    return environ
 
 
 def _left_before_admission(rank: int, how: str) -> None:

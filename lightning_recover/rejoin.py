@@ -61,6 +61,9 @@ __all__ = ["JoinAttempt", "Recruiter", "Seat", "recv_state", "send_state", "seat
 
 log = logging.getLogger(__name__)
 
+#: The survivors' environment variables a replacement takes over (see :func:`job_environ`).
+FORWARDED_ENV_PREFIXES = ("LR_", "LIGHTNING_RECOVER_")
+
 #: Seconds an admission may wait for every member beyond the attempt's limit (one that became
 #: ready just before ``rejoin_timeout_s`` still gets this long to meet the survivors).
 ADMIT_GRACE_S = 10.0
@@ -127,6 +130,17 @@ def _mpi() -> Any:
     from mpi4py import MPI
 
     return MPI
+
+
+def job_environ() -> dict[str, str]:
+    """This survivor's variables named ``LR_*`` or ``LIGHTNING_RECOVER_*``, for the seat of a replacement.
+
+    The job's own settings, which the survivors may have resolved while running (for one,
+    ``examples/pretrain.py`` fixes ``LR_RUN_STAMP``, its run directory, once rank 0's start
+    time is known): a replacement starts later and from mpiexec's environment, and would
+    otherwise resolve them differently (another run directory, another checkpoint dir).
+    The joiner sets them before the script runs (:mod:`lightning_recover.joiner`)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
 
 # ---------------------------------------------------------------------- survivor side

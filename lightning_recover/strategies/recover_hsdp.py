@@ -393,6 +393,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
                 "world_size": layout.world_size, "timeout_s": c.rejoin_timeout_s,
                 "heartbeats": str(self.watchdog.dir) if self.watchdog is not None else None,
                 "logger_versions": [getattr(lg, "version", None) for lg in trainer.loggers],
+                "environ": rejoin.job_environ(),
             }
 
         return rejoin.Recruiter(

@@ -77,6 +77,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="recover.replica_plane (default: $RECOVER_TEST_REPLICA_PLANE, else auto)")
     ap.add_argument("--slow-while-degraded", type=float, default=0.0, metavar="SECONDS",
                     help="every rank sleeps this long after each step while replicas are missing (lets replacements start on 2 cores)")
+    ap.add_argument("--slow-while-rejoining", type=float, default=0.0, metavar="SECONDS",
+                    help="every rank sleeps this long after each step while the job still tries to re-join replicas")
     ap.add_argument("--no-overlap", action="store_true", help="recover.overlap=false")
     ap.add_argument("--sync-every-microbatch", action="store_true", help="recover.sync_every_microbatch=true")
     return ap.parse_args(argv)
@@ -104,6 +106,20 @@ class SlowWhileDegraded(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
         comm = trainer.strategy.comm  # type: ignore[attr-defined]
         if len(comm.alive_replicas) < comm.layout.replicas:
+            time.sleep(self.seconds)
+
+
+class SlowWhileRejoining(L.Callback):
+    """Sleep after each step while the job will still try to bring replicas back (an attempt open or
+    one to come): every attempt gets to run its course however slowly replacements start on a
+    loaded 2-core machine, and the steps after the last attempt was given up run at full speed."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        recruiter = trainer.strategy.recruiter  # type: ignore[attr-defined]
+        if recruiter is not None and recruiter.active():
             time.sleep(self.seconds)
 
 
@@ -263,7 +279,8 @@ def main() -> None:
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,
         callbacks=[FaultInjection(json.loads(args.faults))] + ([PauseAfterFirstStep(args.pause)] if args.pause else [])
         + ([LostReplicaAlert(out)] if args.alerts else []) + user_ckpt
-        + ([SlowWhileDegraded(args.slow_while_degraded)] if args.slow_while_degraded else []), logger=LeaderCSVLogger(out, name="logs"),
+        + ([SlowWhileDegraded(args.slow_while_degraded)] if args.slow_while_degraded else [])
+        + ([SlowWhileRejoining(args.slow_while_rejoining)] if args.slow_while_rejoining else []), logger=LeaderCSVLogger(out, name="logs"),
         enable_checkpointing=bool(user_ckpt), enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=1.0, num_sanity_val_steps=0, log_every_n_steps=1,
     )

@@ -1,0 +1,52 @@
+"""Hot re-join, launched: replacements that fail before they are admitted cost the survivors the attempt only (issue 21).
+
+Two replicas are lost in one step, so each attempt spawns two replacements together; both
+leave at start-up, the way a broken node's do. Open MPI 5.0.11 reports only one of two
+such deaths to the survivors, and a survivor that then sent the other one a message
+waited forever inside MPI (the survivors stopped at the next step). Every job here must
+end with status 0, every step committed, and the fault-free reference's ledger and weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mpirun import assert_reference_run, ledger_lines, train_worker
+
+pytestmark = pytest.mark.mpi
+
+
+def kill(step: int, rank: int) -> dict:
+    return {"step": step, "rank": rank, "phase": "backward", "kind": "kill"}
+
+
+def test_two_replacements_that_exit_at_start_up_are_dropped_and_training_finishes(tmp_path: Path) -> None:
+    """4 replicas, ranks 2 and 3 killed in step 1: every attempt spawns 2 replacements, which
+    exit with status 3 as the script starts -- rank 2's by ``sys.exit(3)`` (the joiner turns it
+    into a reported death), rank 3's by ``os._exit(3)`` (nothing of Python runs: Open MPI
+    never tells the survivors). Two attempts are dropped, then given up; training goes on
+    with 2 replicas and matches the fault-free run."""
+    # Ranks sleep 1 s per step only while attempts are still to come: the attempts run their
+    # course however slowly replacements start on a loaded machine, and the job stays short.
+    argv = ["--steps", "30", "--rejoin", "--slow-while-rejoining", "1.0", "--rejoin-attempts", "2", "--rejoin-timeout", "30",
+            "--replacement-exit", "2:raise:3", "--replacement-exit", "3:hard:3"]
+    job = train_worker(4, tmp_path, argv, [kill(1, 2), kill(1, 3)], timeout=240)
+    assert job.returncode == 0, job.describe()
+    results = assert_reference_run(job, argv, 4)
+    err = job.stderr
+    # What the user sees: each attempt named, dropped, then given up; no third one.
+    for attempt in (1, 2):
+        assert f"re-join attempt {attempt}: spawning 2 rank(s) for replica(s) [2, 3]" in err, job.describe()
+        assert f"re-join attempt {attempt} dropped: " in err, job.describe()
+    assert "2 failed in a row (recover.rejoin_attempts): training goes on without" in err, job.describe()
+    assert "re-join attempt 3" not in err
+    # The replacements saw the job's world (4 ranks), not their spawn's (2).
+    assert "train_worker: replacement for rank 3 (world 4) exits with status 3 (hard)" in err, job.describe()
+    # The survivors finished every step; nobody else wrote a result (a replacement never became rank 2 or 3).
+    assert sorted(results) == [0, 1], job.describe()
+    assert all(r["alive"] == [0, 1] and r["global_step"] == 30 for r in results.values()), results
+    records = ledger_lines(job)
+    assert [r["step"] for r in records] == list(range(30))
+    assert records[-1]["replicas"] == [0, 1] and all(r["B"] == 8 for r in records)
+    assert not any(r.get("joins") for r in records), "a dropped attempt must never show as a join"
