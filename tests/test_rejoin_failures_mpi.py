@@ -3,8 +3,10 @@
 Two replicas are lost in one step, so each attempt spawns two replacements together; both
 leave at start-up, the way a broken node's do. Open MPI 5.0.11 reports only one of two
 such deaths to the survivors, and a survivor that then sent the other one a message
-waited forever inside MPI (the survivors stopped at the next step). Every job here must
-end with status 0, every step committed, and the fault-free reference's ledger and weights.
+waited forever inside MPI (the survivors stopped at the next step). That job must end
+with status 0, every step committed, and the fault-free reference's ledger and weights.
+And the example with a fault schedule and ``recover.rejoin=true``: its replacement checks
+the schedule against the job's world (not its spawn's one process) and is admitted.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mpirun import assert_reference_run, ledger_lines, train_worker
+from mpirun import assert_reference_run, ledger_lines, run_mpi, train_worker
+
+from lightning_recover.ledger import check_ledger, read_ledger
 
 pytestmark = pytest.mark.mpi
 
@@ -50,3 +54,31 @@ def test_two_replacements_that_exit_at_start_up_are_dropped_and_training_finishe
     assert [r["step"] for r in records] == list(range(30))
     assert records[-1]["replicas"] == [0, 1] and all(r["B"] == 8 for r in records)
     assert not any(r.get("joins") for r in records), "a dropped attempt must never show as a join"
+
+
+def test_example_with_a_fault_schedule_admits_its_replacement(tmp_path: Path) -> None:
+    """examples/pretrain.py, 2 ranks, ``fault.schedule`` kills rank 1 in step 1, ``recover.rejoin=true``.
+    The replacement validates the schedule (rank 1 of a 2-rank job) as the launched ranks did;
+    it used to see its spawn's world of 1 rank and exit with status 2. Here it joins and the
+    job ends with both replicas live."""
+    run = tmp_path / "run"
+    # 600 tiny steps: a replacement was ready after 260-290 of them here, at load averages 1 to 7.5.
+    job = run_mpi(
+        2,
+        ["examples/pretrain.py", "model=tiny", "trainer.max_steps=600", "recover.grad_accum=2", "seed=3",
+         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "recover.rejoin=true",
+         "fault.schedule=[{step:1,rank:1,phase:backward,kind:kill}]", f"hydra.run.dir={run}"],
+        tmp_path,
+        timeout=240,
+    )
+    assert job.returncode == 0, job.describe()
+    assert "before it was admitted" not in job.stderr and "but the job has" not in job.stderr, job.describe()
+    ledger = read_ledger(run / "ledger.jsonl")
+    assert [r["step"] for r in ledger] == list(range(600)), job.describe()
+    joins = [(r["step"], j) for r in ledger for j in r.get("joins", [])]
+    assert [j["replica"] for _, j in joins] == [1] and joins[0][1]["ok"], (joins, job.describe())
+    assert ledger[-1]["replicas"] == [0, 1] and all(r["B"] == 4 for r in ledger)
+    verdict = check_ledger(run / "ledger.jsonl")
+    assert verdict.ok, verdict.problems
+    summary = [line for line in job.stdout.splitlines() if line.startswith("pretrain.py: done:")]
+    assert len(summary) == 1 and "live replicas 2/2" in summary[0], job.describe()
