@@ -17,23 +17,52 @@ broadcasts its decision, one small broadcast per step while replicas are missing
              optimizer, sends READY to the merged communicator's rank 0 and waits for GO.
     ADMIT    at the first step boundary after every replacement is READY (never an epoch's
              first step): the leader sends GO; every member calls
-             :meth:`FaultTolerantComm.grow` on the merged communicator; the donor replica
-             (the lowest veteran) sends Lightning's own checkpoint, dumped in memory, shard
-             by shard (:func:`send_state` / :func:`recv_state`); every rank admits the new
-             replicas into the policy (:meth:`StepEngine.admit`).
+             :meth:`FaultTolerantComm.grow` on the merged communicator, which first meets
+             every member in a non-blocking barrier bounded by the attempt's time (at least
+             :data:`ADMIT_GRACE_S` more), the survivors agreeing on their own world whether
+             all came; the donor replica (the lowest veteran) sends Lightning's own
+             checkpoint, dumped in memory, shard by shard (:func:`send_state` /
+             :func:`recv_state`); every rank admits the new replicas into the policy
+             (:meth:`StepEngine.admit`).
     DROP     a replacement died (the leader's probe of the merged communicator fails), the
-             spawn failed, or the attempt passed ``rejoin_timeout_s``: the survivors drop
-             the merged communicator (never revoke it: on Open MPI 5.0.11 revoking a
-             communicator shared with a dead child wedged the survivors' next broadcast on
-             their own world), the leader tells live replacements ABORT, and the next
-             attempt waits ``rejoin_backoff_s`` (doubled per failure in a row). After
-             ``rejoin_attempts`` failures in a row the job carries on without.
+             spawn failed, the attempt passed ``rejoin_timeout_s``, or not every member came
+             to the admission's barrier: the survivors drop the merged communicator (never
+             revoke it: on Open MPI 5.0.11 revoking a communicator shared with a dead child
+             wedged the survivors' next broadcast on their own world), the leader tells the
+             replacements that said READY to ABORT, and the next attempt waits
+             ``rejoin_backoff_s`` (doubled per failure in a row). After ``rejoin_attempts``
+             failures in a row the job carries on without.
+
+**What a failing replacement costs.** A replacement that exits (any status), crashes
+(SIGKILL) or wedges (SIGSTOP) at any point before admission costs the survivors at most
+its attempt: ``rejoin_timeout_s`` from the spawn (plus :data:`ADMIT_GRACE_S` if it fails
+inside an admission that began near the limit), then the usual drop, backoff and give-up.
+Two rules keep it so, because Open MPI 5.0.11 does not report every death: of two spawned
+processes that exit with a non-zero status, only one ever reaches the survivors as a
+process failure (the runtime's abort of their job stalls), and a first message to the other
+waits forever inside ``MPI_Isend`` (the address lookup that opens the connection). So:
+
+* before admission the survivors send only to replacements whose READY they received (that
+  message opened the connection): ABORT goes to those, GO only when all are READY; a
+  replacement that never said READY is never contacted and leaves by its own timer;
+* every wait on the replacements is bounded: the leader's probe for READY never blocks,
+  and admission's first collective is the bounded barrier above; the survivors only enter
+  the blocking part of :meth:`~FaultTolerantComm.grow` once every member has met them.
+
+On top of that the joiner turns a script's exit or uncaught exception before admission into
+SIGKILL (:mod:`lightning_recover.joiner`), which Open MPI does report, so such an attempt is
+usually dropped at the next step boundary rather than after ``rejoin_timeout_s``.
 
 A repair of the survivors' world while an attempt is open drops it the same way (a
 survivor of the merged communicator is gone). A replacement that is never admitted leaves
 by itself after ``rejoin_timeout_s`` (the joiner's timer), so none outlives its attempt.
 A Spawn that never returns (a child killed before MPI_Init completed) leaves a parked
 daemon thread behind: the attempt is dropped by its timeout, bounded by the attempt limit.
+
+A replacement's program sees the job it joins, not its spawn: the joiner sets
+``OMPI_COMM_WORLD_SIZE`` and ``OMPI_COMM_WORLD_RANK`` to the job's size and the logical rank
+taken over, and the survivors' ``LR_*`` / ``LIGHTNING_RECOVER_*`` variables
+(:func:`job_environ`), before the script runs; ``MPI.COMM_WORLD`` stays the spawn's.
 """
 
 from __future__ import annotations
