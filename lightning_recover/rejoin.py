@@ -408,14 +408,16 @@ class Recruiter:
 
 
 # ---------------------------------------------------------------------- replacement side
-def await_admission(joining: Joining) -> bool:
+def await_admission(joining: Joining, said_ready: Callable[[], None] = lambda: None) -> bool:
     """Say READY to the survivors and wait for their decision: True on GO (then :meth:`grow`), False on ABORT
-    or when the leader died (the joiner's timer bounds a wait nobody answers)."""
+    or when the leader died (the joiner's timer bounds a wait nobody answers). ``said_ready`` runs
+    in between (the ``join_ready`` fault point)."""
     MPI = _mpi()
     merged = joining.merged
     buf = np.zeros(1, dtype=np.int64)
     try:
         merged.Send([np.array([joining.rank], dtype=np.int64), MPI.INT64_T], dest=0, tag=TAG_READY)
+        said_ready()
         merged.Recv([buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=TAG_DECISION)
     except MPI.Exception:
         return False  # the leader that spawned us is gone: its attempt is dropped

@@ -530,7 +530,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         attempt = joining.seat.attempt
         self.probes.fault_point("join_startup", step=attempt)
         with self.probes.waiting():
-            go = rejoin.await_admission(joining)
+            go = rejoin.await_admission(joining, lambda: self.probes.fault_point("join_ready", step=attempt))  # type: ignore[union-attr]
         if not go:
             rejoin.give_up(joining, "the survivors dropped this re-join attempt or finished training")
         if not self.comm.grow(joining.merged):
