@@ -118,6 +118,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit("lightning_recover.joiner runs only as a spawned replacement (no parent communicator)")
     merged = parent.Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
+    rejoin.say_hello(merged)
     children = MPI.COMM_WORLD.Dup()
     children.Set_errhandler(MPI.ERRORS_RETURN)
     joining = rejoin.Joining(seat, children, merged)

@@ -71,9 +71,11 @@ import json
 import logging
 import os
 import pickle
+import socket
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -81,6 +83,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from lightning_recover import lifecycle
 from lightning_recover.communicator import FaultTolerantComm
 
 if TYPE_CHECKING:
@@ -100,6 +103,7 @@ ADMIT_GRACE_S = 10.0
 TAG_READY = 7301
 TAG_DECISION = 7302
 TAG_STATE = 7303
+TAG_HELLO = 7304
 GO, ABORT = 1, 0
 # The leader's per-boundary decision, broadcast to every survivor.
 NOTHING, START, ADMIT, DROP = 0, 1, 2, 3
@@ -188,6 +192,10 @@ class JoinAttempt:
     error: str | None = None
     #: Merged-communicator ranks that said READY (counted by the leader).
     ready: set[int] = field(default_factory=set)
+    #: What each replacement said right after the merge (the leader's): pid, start time, host checksum.
+    procs: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    #: GO was sent: from here on nobody tells the replacements anything more.
+    admitting: bool = False
 
     @property
     def size(self) -> int:
@@ -283,6 +291,7 @@ class Recruiter:
         status = MPI.Status()
         buf = np.zeros(1, dtype=np.int64)
         try:
+            self._collect_hellos(att)
             while att.merged.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_READY, status=status):
                 src = status.Get_source()
                 att.merged.Recv([buf, MPI.INT64_T], source=src, tag=TAG_READY)
@@ -335,10 +344,46 @@ class Recruiter:
             )
 
     def close(self) -> None:
-        """End of training: an open attempt's replacements are told ABORT (they leave at once)."""
+        """End of training: an open attempt's replacements are told ABORT (they leave at once), the others fenced."""
         att, self.attempt = self.attempt, None
         if att is not None:
             self._abort(att)
+            self._fence(att, "training ended before it was admitted")
+
+    def _collect_hellos(self, att: JoinAttempt) -> None:
+        """The leader receives what the replacements said after the merge (:func:`say_hello`); never blocks."""
+        MPI = _mpi()
+        status = MPI.Status()
+        buf = np.zeros(3, dtype=np.int64)
+        while att.merged.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_HELLO, status=status):
+            src = status.Get_source()
+            att.merged.Recv([buf, MPI.INT64_T], source=src, tag=TAG_HELLO)
+            att.procs[src] = (int(buf[0]), int(buf[1]), int(buf[2]))
+
+    def _fence(self, att: JoinAttempt, reason: str) -> None:
+        """The leader SIGKILLs the dropped attempt's replacements on its host that nobody will tell to leave:
+        those that never said READY (dead, wedged or still starting), and all of them once GO was sent.
+
+        Their own timer ends a replacement that runs; a stopped one (SIGSTOP) it cannot end, and
+        that one would hold ``mpiexec`` open after training when the hang watchdog is off
+        (``--hang-timeout 0``). A replacement on another host is left to its timer."""
+        if not self.comm.is_leader:
+            return
+        MPI = _mpi()
+        if att.merged is not None:
+            try:
+                self._collect_hellos(att)
+            except MPI.Exception:
+                pass  # a dead member: fence those that said who they are
+        host = _host_checksum()
+        for r in att.joiner_ranks():
+            if r in att.procs and (att.admitting or r not in att.ready):
+                pid, start, where = att.procs[r]
+                if where == host:
+                    lifecycle.kill_process(
+                        pid, str(start), f"re-join attempt {att.number}: {reason}", by="leader",
+                        target=f"replacement for rank {att.seat.ranks[r - att.survivors]}",
+                    )
 
     def _abort(self, att: JoinAttempt) -> None:
         """Tell the replacements that said READY to leave, never blocking; the others are not contacted.
@@ -369,6 +414,7 @@ class Recruiter:
             return
         if notify:
             self._abort(att)
+        self._fence(att, f"dropped ({reason})")
         self.failures_in_a_row += 1
         self._next_try = time.monotonic() + self.backoff_s * 2 ** (self.failures_in_a_row - 1)
         if self.comm.is_leader:
@@ -389,6 +435,7 @@ class Recruiter:
         # The leader's merge completed, so every survivor's should have; a survivor whose merge
         # did not complete in time says so in grow's agreement, and the attempt is dropped everywhere.
         att.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        att.admitting = True
         if self.comm.is_leader and att.merged is not None:
             go = np.array([GO], dtype=np.int64)
             self._sent.append(go)
@@ -398,9 +445,9 @@ class Recruiter:
                 except MPI.Exception:
                     pass  # grow's agreement below fails everywhere
         if not self.comm.grow(att.merged, deadline=deadline):
-            att.merged = None  # gone members: never reuse it
             self.attempt = att
-            self.drop("a replacement died or did not come while the world grew")
+            self.drop("a replacement died or did not come while the world grew", notify=False)
+            att.merged = None  # gone members: never reuse it
             return False
         self.attempt = None
         self.failures_in_a_row = 0
@@ -408,6 +455,23 @@ class Recruiter:
 
 
 # ---------------------------------------------------------------------- replacement side
+def _host_checksum() -> int:
+    """This host's name as a number (what :func:`say_hello` sends; the leader compares it with its own)."""
+    return zlib.crc32(socket.gethostname().encode())
+
+
+def say_hello(merged: MPI.Intracomm) -> None:
+    """Right after the merge, tell the leader who this process is (pid, start time, host), so that
+    it can end this replacement if its attempt is dropped (see :meth:`Recruiter._fence`). Best effort."""
+    MPI = _mpi()
+    start = lifecycle.process_start_time(os.getpid())
+    hello = np.array([os.getpid(), int(start) if start is not None and start.isdigit() else -1, _host_checksum()], dtype=np.int64)
+    try:
+        merged.Send([hello, MPI.INT64_T], dest=0, tag=TAG_HELLO)
+    except MPI.Exception:
+        pass  # the leader is gone: the attempt is dropped, and the joiner's timer ends this process
+
+
 def await_admission(joining: Joining, said_ready: Callable[[], None] = lambda: None) -> bool:
     """Say READY to the survivors and wait for their decision: True on GO (then :meth:`grow`), False on ABORT
     or when the leader died (the joiner's timer bounds a wait nobody answers). ``said_ready`` runs
