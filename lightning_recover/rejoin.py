@@ -55,7 +55,12 @@ usually dropped at the next step boundary rather than after ``rejoin_timeout_s``
 
 A repair of the survivors' world while an attempt is open drops it the same way (a
 survivor of the merged communicator is gone). A replacement that is never admitted leaves
-by itself after ``rejoin_timeout_s`` (the joiner's timer), so none outlives its attempt.
+by itself after ``rejoin_timeout_s`` (the joiner's timer), so none outlives its attempt;
+and when an attempt is dropped (or training ends) the leader SIGKILLs the attempt's
+replacements on its host that nobody tells to leave -- those that never said READY, and all
+of them once GO was sent -- from the pid and start time each sent right after the merge
+(:func:`say_hello`): a stopped one, which its own timer cannot end, would otherwise hold
+``mpiexec`` open after training when the hang watchdog is off.
 A Spawn that never returns (a child killed before MPI_Init completed) leaves a parked
 daemon thread behind: the attempt is dropped by its timeout, bounded by the attempt limit.
 

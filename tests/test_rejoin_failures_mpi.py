@@ -5,12 +5,15 @@ leave at start-up, the way a broken node's do. Open MPI 5.0.11 reports only one 
 such deaths to the survivors, and a survivor that then sent the other one a message
 waited forever inside MPI (the survivors stopped at the next step). That job must end
 with status 0, every step committed, and the fault-free reference's ledger and weights.
+A replacement stopped (SIGSTOP) after it said READY, with the hang watchdog off, costs the
+attempt: the admission's barrier gives up at its deadline and the leader fences it.
 And the example with a fault schedule and ``recover.rejoin=true``: its replacement checks
 the schedule against the job's world (not its spawn's one process) and is admitted.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -82,3 +85,22 @@ def test_example_with_a_fault_schedule_admits_its_replacement(tmp_path: Path) ->
     assert verdict.ok, verdict.problems
     summary = [line for line in job.stdout.splitlines() if line.startswith("pretrain.py: done:")]
     assert len(summary) == 1 and "live replicas 2/2" in summary[0], job.describe()
+
+
+def test_replacement_stopped_after_ready_costs_the_attempt_then_the_next_one_joins(tmp_path: Path) -> None:
+    """2 replicas, rank 1 killed in step 1, hang watchdog off (``--hang-timeout 0``: nobody kills
+    a stopped process for us). Attempt 1's replacement is SIGSTOPped right after it said READY,
+    so the admission's barrier never completes: the survivor gives the attempt up at its
+    deadline and fences the stopped process; attempt 2's replacement joins."""
+    argv = ["--steps", "30", "--rejoin", "--slow-while-rejoining", "1.0", "--rejoin-attempts", "2", "--rejoin-timeout", "15"]
+    faults = [kill(1, 1), {"step": 1, "rank": 1, "phase": "join_ready", "kind": "hang"}]
+    job = run_mpi(2, ["tests/workers/train_worker.py", *argv, "--faults", json.dumps(faults)], tmp_path, timeout=200, hang_timeout=0)
+    assert job.returncode == 0, job.describe()
+    results = assert_reference_run(job, argv, 2)
+    err = job.stderr
+    assert "fault injection: hang rank 1 at step 1 join_ready" in err, job.describe()
+    assert "re-join attempt 1 dropped: a replacement died or did not come while the world grew" in err, job.describe()
+    assert "leader: killing replacement for rank 1 (pid " in err, job.describe()
+    assert sorted(results) == [0, 1] and all(r["alive"] == [0, 1] and r["global_step"] == 30 for r in results.values()), results
+    joins = [j for r in ledger_lines(job) for j in r.get("joins", [])]
+    assert [(j["replica"], j["ok"]) for j in joins] == [(1, True)], joins
