@@ -28,9 +28,10 @@ for the job's size, never ``MPI.COMM_WORLD.Get_size()``.
 
 **Leaving before admission.** A replacement whose script ends before it was admitted --
 ``sys.exit(3)`` from a failed check, an uncaught exception, or simply returning -- leaves
-by ``SIGKILL`` after one stderr line, never by a plain exit status: Open MPI 5.0.11 never
-reports a spawned process that exited with a non-zero status to the survivors (see
-:mod:`lightning_recover.lifecycle`), while a killed one is an ordinary process failure,
+by ``SIGKILL`` after one stderr line, never by a plain exit status: Open MPI 5.0.11 does not
+reliably tell the survivors about a spawned process that exited with a non-zero status (of
+two in one attempt, only one ever reached them; see also :mod:`lightning_recover.lifecycle`),
+while a killed one is an ordinary process failure,
 and the survivors drop the attempt at their next step boundary instead of after
 ``rejoin_timeout_s``. (The survivors never wait on an unreported death either; this only
 makes the drop prompt.) After admission the script's exit is the script's.
@@ -45,6 +46,7 @@ import signal
 import sys
 import threading
 import time
+from typing import NoReturn
 import traceback
 
 from lightning_recover import lifecycle, rejoin
@@ -95,13 +97,14 @@ def job_environment(seat: rejoin.Seat, child_rank: int) -> dict[str, str]:
     return environ
 
 
-def _left_before_admission(rank: int, how: str) -> None:
+def _left_before_admission(rank: int, how: str) -> NoReturn:
     """Leave as a process failure the survivors are told about (see the module docstring)."""
     print(f"[lightning-recover] replacement for rank {rank}: {how} before it was admitted; leaving by SIGKILL",
           file=sys.__stderr__, flush=True)
     sys.stdout.flush()
     time.sleep(lifecycle.OUTPUT_DRAIN_S)  # Open MPI drops the output of a process killed right after writing it
     os.kill(os.getpid(), signal.SIGKILL)
+    raise AssertionError("unreachable: SIGKILL ends the process")  # for the type checker
 
 
 def main(argv: list[str]) -> None:
@@ -123,7 +126,11 @@ def main(argv: list[str]) -> None:
     children.Set_errhandler(MPI.ERRORS_RETURN)
     joining = rejoin.Joining(seat, children, merged)
     rejoin._set_joining(joining)
-    os.environ.update(job_environment(seat, children.Get_rank()))
+    try:
+        os.environ.update(job_environment(seat, children.Get_rank()))
+    except SystemExit as exc:
+        print(exc, file=sys.__stderr__, flush=True)
+        _left_before_admission(joining.rank, "its seat could not be read")
     sys.argv = argv[1:]
     try:
         runpy.run_path(argv[1], run_name="__main__")
@@ -131,6 +138,9 @@ def main(argv: list[str]) -> None:
         if _admitted.is_set():
             raise
         code = exc.code if exc.code is not None else 0
+        if isinstance(code, str):  # sys.exit("message"): Python would print it and exit with status 1
+            print(code, file=sys.__stderr__, flush=True)
+            code = 1
         _left_before_admission(joining.rank, f"the script exited (status {code})")
     except BaseException:
         if _admitted.is_set():
