@@ -295,16 +295,33 @@ class FaultTolerantComm:
         self.world = self.shard_comm = None  # type: ignore[assignment]
         return self
 
-    def grow(self, merged: MPI.Intracomm) -> bool:
+    def grow(self, merged: MPI.Intracomm | None, *, deadline: float | None = None) -> bool:
         """Make ``merged`` (this world's survivors, then the joiners) the world; collective over ``merged``.
 
         Every member calls it, joiners included (those built by :meth:`joiner`). Returns
-        False on every member -- and changes nothing -- when a member died meanwhile (the
-        survivors' world stays as it was; the joiners leave). On success the world epoch
-        advances past every member's and ``alive_replicas`` counts the joiners' replicas.
+        False on every survivor -- and changes nothing -- when a member died meanwhile (the
+        survivors' world stays as it was; the joiners leave).
+
+        A survivor passes ``deadline`` (``time.monotonic()``): the members first meet in a
+        non-blocking barrier on ``merged``, and the survivors then agree on their own world
+        whether everyone arrived before it. A joiner that died without Open MPI telling
+        anyone (one that exited with a non-zero status is never reported, see
+        :mod:`lightning_recover.lifecycle`) or that is stopped would otherwise hold every
+        survivor in the first blocking collective below forever. A survivor whose merge
+        never completed passes ``merged=None``: it says "not arrived", so every survivor
+        gives up. A joiner passes no deadline (its own timer bounds it, see
+        :mod:`lightning_recover.joiner`). On success the world epoch advances past every
+        member's and ``alive_replicas`` counts the joiners' replicas.
         """
         MPI = _mpi()
-        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        survivor = self.world is not None
+        arrived = merged is not None and self._meet(merged, deadline)
+        if survivor:
+            # Uniform over the survivors: a barrier that completed here may have timed out on
+            # another survivor, and only a decision they all share keeps their worlds alike.
+            arrived = self.agree(arrived)
+        if not arrived or merged is None:
+            return False
         rows: list[tuple[int, int, tuple[str, int, str | None], bool, str]] = []
         shard = None
         ok = 1
@@ -333,6 +350,27 @@ class FaultTolerantComm:
         self.alive_replicas = tuple(self.layout.complete_replicas(self._ids))
         self._open_plane()
         self._advance_fences()
+        return True
+
+    @staticmethod
+    def _meet(merged: MPI.Intracomm, deadline: float | None) -> bool:
+        """Whether every member of ``merged`` entered a barrier (before ``deadline``, if given).
+
+        Non-blocking, so that a member that never comes costs the wait and nothing more;
+        the pending request of a barrier given up on is left to the dropped communicator."""
+        MPI = _mpi()
+        merged.Set_errhandler(MPI.ERRORS_RETURN)
+        try:
+            request = merged.Ibarrier()
+            pause = 0.0
+            while not request.Test():
+                if deadline is not None and time.monotonic() > deadline:
+                    return False
+                # Short sleeps: the members are waiting for this very barrier, it completes in milliseconds.
+                pause = min(0.01, max(1e-4, 2 * pause))
+                time.sleep(pause)
+        except MPI.Exception:
+            return False  # a member died (reported by ULFM): the same answer as a timeout
         return True
 
     # ------------------------------------------------------------------ membership

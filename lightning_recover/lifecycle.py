@@ -103,7 +103,7 @@ PRINTED_PREFIX = "printed."
 _LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK")
 
 # Open MPI's runtime drops output a rank wrote just before it was killed: give it a moment.
-_OUTPUT_DRAIN_S = 0.3
+OUTPUT_DRAIN_S = 0.3
 
 _crash_hook_installed = False
 _crash_rank: int | None = None
@@ -293,7 +293,7 @@ def install_crash_hook(rank: int | None = None) -> None:
         if _crash_rank is not None:
             mark_status("raised", _crash_rank, _describe(exc_type, exc))
         sys.stdout.flush()
-        time.sleep(_OUTPUT_DRAIN_S)
+        time.sleep(OUTPUT_DRAIN_S)
         os.kill(os.getpid(), CRASH_SIGNAL)
 
     sys.excepthook = hook
@@ -356,7 +356,7 @@ def gate_exit(rank: int, reason: str) -> NoReturn:
         flush=True,
     )
     sys.stdout.flush()
-    time.sleep(_OUTPUT_DRAIN_S)
+    time.sleep(OUTPUT_DRAIN_S)
     _default_disposition(GATE_SIGNAL)
     os.kill(os.getpid(), GATE_SIGNAL)
     time.sleep(5)  # the signal is delivered before this returns; never run on as a zombie member
@@ -380,7 +380,7 @@ def quorum_exit(rank: int, reason: str) -> NoReturn:
     )
     mark_status("exited", rank, f"{QUORUM_MESSAGE}: {reason}")
     sys.stdout.flush()
-    time.sleep(_OUTPUT_DRAIN_S)
+    time.sleep(OUTPUT_DRAIN_S)
     os._exit(QUORUM_EXIT_CODE)
 
 

@@ -17,23 +17,57 @@ broadcasts its decision, one small broadcast per step while replicas are missing
              optimizer, sends READY to the merged communicator's rank 0 and waits for GO.
     ADMIT    at the first step boundary after every replacement is READY (never an epoch's
              first step): the leader sends GO; every member calls
-             :meth:`FaultTolerantComm.grow` on the merged communicator; the donor replica
-             (the lowest veteran) sends Lightning's own checkpoint, dumped in memory, shard
-             by shard (:func:`send_state` / :func:`recv_state`); every rank admits the new
-             replicas into the policy (:meth:`StepEngine.admit`).
+             :meth:`FaultTolerantComm.grow` on the merged communicator, which first meets
+             every member in a non-blocking barrier bounded by the attempt's time (at least
+             :data:`ADMIT_GRACE_S` more), the survivors agreeing on their own world whether
+             all came; the donor replica (the lowest veteran) sends Lightning's own
+             checkpoint, dumped in memory, shard by shard (:func:`send_state` /
+             :func:`recv_state`); every rank admits the new replicas into the policy
+             (:meth:`StepEngine.admit`).
     DROP     a replacement died (the leader's probe of the merged communicator fails), the
-             spawn failed, or the attempt passed ``rejoin_timeout_s``: the survivors drop
-             the merged communicator (never revoke it: on Open MPI 5.0.11 revoking a
-             communicator shared with a dead child wedged the survivors' next broadcast on
-             their own world), the leader tells live replacements ABORT, and the next
-             attempt waits ``rejoin_backoff_s`` (doubled per failure in a row). After
-             ``rejoin_attempts`` failures in a row the job carries on without.
+             spawn failed, the attempt passed ``rejoin_timeout_s``, or not every member came
+             to the admission's barrier: the survivors drop the merged communicator (never
+             revoke it: on Open MPI 5.0.11 revoking a communicator shared with a dead child
+             wedged the survivors' next broadcast on their own world), the leader tells the
+             replacements that said READY to ABORT, and the next attempt waits
+             ``rejoin_backoff_s`` (doubled per failure in a row). After ``rejoin_attempts``
+             failures in a row the job carries on without.
+
+**What a failing replacement costs.** A replacement that exits (any status), crashes
+(SIGKILL) or wedges (SIGSTOP) at any point before admission costs the survivors at most
+its attempt: ``rejoin_timeout_s`` from the spawn (plus :data:`ADMIT_GRACE_S` if it fails
+inside an admission that began near the limit), then the usual drop, backoff and give-up.
+Two rules keep it so, because Open MPI 5.0.11 does not report every death: of two spawned
+processes that exit with a non-zero status, only one ever reaches the survivors as a
+process failure (the runtime's abort of their job stalls), and a first message to the other
+waits forever inside ``MPI_Isend`` (the address lookup that opens the connection). So:
+
+* before admission the survivors send only to replacements whose READY they received (that
+  message opened the connection): ABORT goes to those, GO only when all are READY; a
+  replacement that never said READY is never contacted and leaves by its own timer;
+* every wait on the replacements is bounded: the leader's probe for READY never blocks,
+  and admission's first collective is the bounded barrier above; the survivors only enter
+  the blocking part of :meth:`~FaultTolerantComm.grow` once every member has met them.
+
+On top of that the joiner turns a script's exit or uncaught exception before admission into
+SIGKILL (:mod:`lightning_recover.joiner`), which Open MPI does report, so such an attempt is
+usually dropped at the next step boundary rather than after ``rejoin_timeout_s``.
 
 A repair of the survivors' world while an attempt is open drops it the same way (a
 survivor of the merged communicator is gone). A replacement that is never admitted leaves
-by itself after ``rejoin_timeout_s`` (the joiner's timer), so none outlives its attempt.
+by itself after ``rejoin_timeout_s`` (the joiner's timer), so none outlives its attempt;
+and when an attempt is dropped (or training ends) the leader SIGKILLs the attempt's
+replacements on its host that nobody tells to leave -- those that never said READY, and all
+of them once GO was sent -- from the pid and start time each sent right after the merge
+(:func:`say_hello`): a stopped one, which its own timer cannot end, would otherwise hold
+``mpiexec`` open after training when the hang watchdog is off.
 A Spawn that never returns (a child killed before MPI_Init completed) leaves a parked
 daemon thread behind: the attempt is dropped by its timeout, bounded by the attempt limit.
+
+A replacement's program sees the job it joins, not its spawn: the joiner sets
+``OMPI_COMM_WORLD_SIZE`` and ``OMPI_COMM_WORLD_RANK`` to the job's size and the logical rank
+taken over, and the survivors' ``LR_*`` / ``LIGHTNING_RECOVER_*`` variables
+(:func:`job_environ`), before the script runs; ``MPI.COMM_WORLD`` stays the spawn's.
 """
 
 from __future__ import annotations
@@ -42,9 +76,11 @@ import json
 import logging
 import os
 import pickle
+import socket
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -52,6 +88,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from lightning_recover import lifecycle
 from lightning_recover.communicator import FaultTolerantComm
 
 if TYPE_CHECKING:
@@ -61,9 +98,17 @@ __all__ = ["JoinAttempt", "Recruiter", "Seat", "recv_state", "send_state", "seat
 
 log = logging.getLogger(__name__)
 
+#: The survivors' environment variables a replacement takes over (see :func:`job_environ`).
+FORWARDED_ENV_PREFIXES = ("LR_", "LIGHTNING_RECOVER_")
+
+#: Seconds an admission may wait for every member beyond the attempt's limit (one that became
+#: ready just before ``rejoin_timeout_s`` still gets this long to meet the survivors).
+ADMIT_GRACE_S = 10.0
+
 TAG_READY = 7301
 TAG_DECISION = 7302
 TAG_STATE = 7303
+TAG_HELLO = 7304
 GO, ABORT = 1, 0
 # The leader's per-boundary decision, broadcast to every survivor.
 NOTHING, START, ADMIT, DROP = 0, 1, 2, 3
@@ -125,6 +170,17 @@ def _mpi() -> Any:
     return MPI
 
 
+def job_environ() -> dict[str, str]:
+    """This survivor's variables named ``LR_*`` or ``LIGHTNING_RECOVER_*``, for the seat of a replacement.
+
+    The job's own settings, which the survivors may have resolved while running (for one,
+    ``examples/pretrain.py`` fixes ``LR_RUN_STAMP``, its run directory, once rank 0's start
+    time is known): a replacement starts later and from mpiexec's environment, and would
+    otherwise resolve them differently (another run directory, another checkpoint dir).
+    The joiner sets them before the script runs (:mod:`lightning_recover.joiner`)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+
+
 # ---------------------------------------------------------------------- survivor side
 @dataclass
 class JoinAttempt:
@@ -141,6 +197,10 @@ class JoinAttempt:
     error: str | None = None
     #: Merged-communicator ranks that said READY (counted by the leader).
     ready: set[int] = field(default_factory=set)
+    #: What each replacement said right after the merge (the leader's): pid, start time, host checksum.
+    procs: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    #: GO was sent: from here on nobody tells the replacements anything more.
+    admitting: bool = False
 
     @property
     def size(self) -> int:
@@ -236,6 +296,7 @@ class Recruiter:
         status = MPI.Status()
         buf = np.zeros(1, dtype=np.int64)
         try:
+            self._collect_hellos(att)
             while att.merged.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_READY, status=status):
                 src = status.Get_source()
                 att.merged.Recv([buf, MPI.INT64_T], source=src, tag=TAG_READY)
@@ -288,18 +349,61 @@ class Recruiter:
             )
 
     def close(self) -> None:
-        """End of training: an open attempt's replacements are told ABORT (they leave at once)."""
+        """End of training: an open attempt's replacements are told ABORT (they leave at once), the others fenced."""
         att, self.attempt = self.attempt, None
         if att is not None:
             self._abort(att)
+            self._fence(att, "training ended before it was admitted")
+
+    def _collect_hellos(self, att: JoinAttempt) -> None:
+        """The leader receives what the replacements said after the merge (:func:`say_hello`); never blocks."""
+        MPI = _mpi()
+        status = MPI.Status()
+        buf = np.zeros(3, dtype=np.int64)
+        while att.merged.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_HELLO, status=status):
+            src = status.Get_source()
+            att.merged.Recv([buf, MPI.INT64_T], source=src, tag=TAG_HELLO)
+            att.procs[src] = (int(buf[0]), int(buf[1]), int(buf[2]))
+
+    def _fence(self, att: JoinAttempt, reason: str) -> None:
+        """The leader SIGKILLs the dropped attempt's replacements on its host that nobody will tell to leave:
+        those that never said READY (dead, wedged or still starting), and all of them once GO was sent.
+
+        Their own timer ends a replacement that runs; a stopped one (SIGSTOP) it cannot end, and
+        that one would hold ``mpiexec`` open after training when the hang watchdog is off
+        (``--hang-timeout 0``). A replacement on another host is left to its timer."""
+        if not self.comm.is_leader:
+            return
+        MPI = _mpi()
+        if att.merged is not None:
+            try:
+                self._collect_hellos(att)
+            except MPI.Exception:
+                pass  # a dead member: fence those that said who they are
+        host = _host_checksum()
+        for r in att.joiner_ranks():
+            if r in att.procs and (att.admitting or r not in att.ready):
+                pid, start, where = att.procs[r]
+                if where == host:
+                    lifecycle.kill_process(
+                        pid, str(start), f"re-join attempt {att.number}: {reason}", by="leader",
+                        target=f"replacement for rank {att.seat.ranks[r - att.survivors]}",
+                    )
 
     def _abort(self, att: JoinAttempt) -> None:
-        """Tell the replacements ABORT, never blocking: a send to one that is gone must not hold a survivor."""
+        """Tell the replacements that said READY to leave, never blocking; the others are not contacted.
+
+        A first send to a process opens the connection to it, and Open MPI looks its address
+        up in the runtime then: for a replacement that died unreported (two that exited with
+        a non-zero status in one attempt: only the first death reached the survivors) that
+        lookup waits forever, inside ``Isend``, on the survivor's main thread. A replacement
+        that said READY is connected already (its message came in); one that did not is dead,
+        wedged or still starting, and leaves by its own timer (:mod:`lightning_recover.joiner`)."""
         MPI = _mpi()
         if self.comm.is_leader and att.merged is not None:
             abort = np.array([ABORT], dtype=np.int64)
             self._sent.append(abort)  # the buffer outlives the freed requests
-            for r in att.joiner_ranks():
+            for r in sorted(att.ready):
                 try:
                     att.merged.Isend([abort, MPI.INT64_T], dest=r, tag=TAG_DECISION).Free()
                 except MPI.Exception:
@@ -315,6 +419,7 @@ class Recruiter:
             return
         if notify:
             self._abort(att)
+        self._fence(att, f"dropped ({reason})")
         self.failures_in_a_row += 1
         self._next_try = time.monotonic() + self.backoff_s * 2 ** (self.failures_in_a_row - 1)
         if self.comm.is_leader:
@@ -327,24 +432,27 @@ class Recruiter:
             )
 
     def admit(self, att: JoinAttempt) -> bool:
-        """Send GO and grow the world (every survivor); False, with the attempt dropped, if a member died."""
+        """Send GO and grow the world (every survivor); False, with the attempt dropped, if a member died
+        or did not come within the attempt's time (at least :data:`ADMIT_GRACE_S` from now)."""
         MPI = _mpi()
         assert att.thread is not None
-        att.thread.join()  # the leader's merge completed, so every survivor's does
-        if att.merged is None:
-            raise RuntimeError(f"re-join attempt {att.number}: the merge completed on the leader but not here ({att.error})")
-        if self.comm.is_leader:
+        deadline = max(att.started + self.timeout_s, time.monotonic() + ADMIT_GRACE_S)
+        # The leader's merge completed, so every survivor's should have; a survivor whose merge
+        # did not complete in time says so in grow's agreement, and the attempt is dropped everywhere.
+        att.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        att.admitting = True
+        if self.comm.is_leader and att.merged is not None:
             go = np.array([GO], dtype=np.int64)
             self._sent.append(go)
-            for r in att.joiner_ranks():
+            for r in att.joiner_ranks():  # every one said READY: connected, the send cannot wait on the runtime
                 try:
                     att.merged.Isend([go, MPI.INT64_T], dest=r, tag=TAG_DECISION).Free()
                 except MPI.Exception:
                     pass  # grow's agreement below fails everywhere
-        if not self.comm.grow(att.merged):
-            att.merged = None  # gone members: never reuse it
+        if not self.comm.grow(att.merged, deadline=deadline):
             self.attempt = att
-            self.drop("a member died while the world grew")
+            self.drop("a replacement died or did not come while the world grew", notify=False)
+            att.merged = None  # gone members: never reuse it
             return False
         self.attempt = None
         self.failures_in_a_row = 0
@@ -352,14 +460,33 @@ class Recruiter:
 
 
 # ---------------------------------------------------------------------- replacement side
-def await_admission(joining: Joining) -> bool:
+def _host_checksum() -> int:
+    """This host's name as a number (what :func:`say_hello` sends; the leader compares it with its own)."""
+    return zlib.crc32(socket.gethostname().encode())
+
+
+def say_hello(merged: MPI.Intracomm) -> None:
+    """Right after the merge, tell the leader who this process is (pid, start time, host), so that
+    it can end this replacement if its attempt is dropped (see :meth:`Recruiter._fence`). Best effort."""
+    MPI = _mpi()
+    start = lifecycle.process_start_time(os.getpid())
+    hello = np.array([os.getpid(), int(start) if start is not None and start.isdigit() else -1, _host_checksum()], dtype=np.int64)
+    try:
+        merged.Send([hello, MPI.INT64_T], dest=0, tag=TAG_HELLO)
+    except MPI.Exception:
+        pass  # the leader is gone: the attempt is dropped, and the joiner's timer ends this process
+
+
+def await_admission(joining: Joining, said_ready: Callable[[], None] = lambda: None) -> bool:
     """Say READY to the survivors and wait for their decision: True on GO (then :meth:`grow`), False on ABORT
-    or when the leader died (the joiner's timer bounds a wait nobody answers)."""
+    or when the leader died (the joiner's timer bounds a wait nobody answers). ``said_ready`` runs
+    in between (the ``join_ready`` fault point)."""
     MPI = _mpi()
     merged = joining.merged
     buf = np.zeros(1, dtype=np.int64)
     try:
         merged.Send([np.array([joining.rank], dtype=np.int64), MPI.INT64_T], dest=0, tag=TAG_READY)
+        said_ready()
         merged.Recv([buf, MPI.INT64_T], source=MPI.ANY_SOURCE, tag=TAG_DECISION)
     except MPI.Exception:
         return False  # the leader that spawned us is gone: its attempt is dropped

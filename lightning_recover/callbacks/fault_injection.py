@@ -8,7 +8,8 @@ global step ``step``, after this rank's shard file is written and before anythin
 renamed into place; validation / test / predict fire before this rank's ``microbatch``-th
 batch (0-based) of an evaluation loop run at global step ``step`` (never in the sanity check).
 The hot re-join phases count ``step`` as the re-join attempt (1-based) instead:
-``join_startup`` fires in a replacement before it says it is ready, ``join_transfer`` in
+``join_startup`` fires in a replacement before it says it is ready, ``join_ready`` right
+after (before it waits for the survivors' decision), ``join_transfer`` in
 the donor before it sends the live state and in a replacement before it receives it, and
 ``joined`` in a replacement at the start of its first step. ``collective`` and
 ``collective_done`` fire in this rank's ``microbatch``-th call (0-based, counted within
@@ -43,7 +44,7 @@ from lightning.pytorch.callbacks import Callback
 
 PHASES = (
     "forward", "backward", "reduce", "optimizer", "checkpoint", "validation", "test", "predict",
-    "join_startup", "join_transfer", "joined", "collective", "collective_done",
+    "join_startup", "join_ready", "join_transfer", "joined", "collective", "collective_done",
 )
 EVALUATION_PHASES = ("validation", "test", "predict")
 COLLECTIVE_PHASES = ("collective", "collective_done")

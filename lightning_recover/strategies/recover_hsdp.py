@@ -402,6 +402,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
                 "world_size": layout.world_size, "timeout_s": c.rejoin_timeout_s,
                 "heartbeats": str(self.watchdog.dir) if self.watchdog is not None else None,
                 "logger_versions": [getattr(lg, "version", None) for lg in trainer.loggers],
+                "environ": rejoin.job_environ(),
             }
 
         return rejoin.Recruiter(
@@ -538,7 +539,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         attempt = joining.seat.attempt
         self.probes.fault_point("join_startup", step=attempt)
         with self.probes.waiting():
-            go = rejoin.await_admission(joining)
+            go = rejoin.await_admission(joining, lambda: self.probes.fault_point("join_ready", step=attempt))  # type: ignore[union-attr]
         if not go:
             rejoin.give_up(joining, "the survivors dropped this re-join attempt or finished training")
         if not self.comm.grow(joining.merged):

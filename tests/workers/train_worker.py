@@ -20,6 +20,7 @@ torch.set_num_threads(1)
 import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
+from lightning_recover import rejoin  # noqa: E402
 from lightning_recover.callbacks import CorruptionCheck, FaultInjection, RecoveryCallback, resolve_ckpt_path  # noqa: E402
 from lightning_recover.policy import PolicyError  # noqa: E402
 from lightning_recover.strategies import ReCoVerHSDPStrategy  # noqa: E402
@@ -63,6 +64,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sdc-action", default="repair", help="recover.sdc.action")
     ap.add_argument("--rejoin-hosts", default=None, help="recover.rejoin_hosts")
     ap.add_argument("--rejoin-attempts", type=int, default=3, help="recover.rejoin_attempts")
+    ap.add_argument("--rejoin-timeout", type=float, default=60.0, help="recover.rejoin_timeout_s")
+    ap.add_argument("--replacement-exit", action="append", default=[], metavar="RANK:HOW:STATUS",
+                    help="the replacement of RANK exits with STATUS as the script starts (a broken node): HOW=raise "
+                    "is sys.exit(STATUS), HOW=hard is os._exit(STATUS) (no Python exit path runs)")
     ap.add_argument("--replica-group", action="store_true",
                     help="training_step runs torch.distributed collectives over strategy.replica_group once per step; "
                     "each rank writes what it got to collectives{RANK}.jsonl")
@@ -72,6 +77,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="recover.replica_plane (default: $RECOVER_TEST_REPLICA_PLANE, else auto)")
     ap.add_argument("--slow-while-degraded", type=float, default=0.0, metavar="SECONDS",
                     help="every rank sleeps this long after each step while replicas are missing (lets replacements start on 2 cores)")
+    ap.add_argument("--slow-while-rejoining", type=float, default=0.0, metavar="SECONDS",
+                    help="every rank sleeps this long after each step while the job still tries to re-join replicas")
     ap.add_argument("--no-overlap", action="store_true", help="recover.overlap=false")
     ap.add_argument("--sync-every-microbatch", action="store_true", help="recover.sync_every_microbatch=true")
     return ap.parse_args(argv)
@@ -99,6 +106,20 @@ class SlowWhileDegraded(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
         comm = trainer.strategy.comm  # type: ignore[attr-defined]
         if len(comm.alive_replicas) < comm.layout.replicas:
+            time.sleep(self.seconds)
+
+
+class SlowWhileRejoining(L.Callback):
+    """Sleep after each step while the job will still try to bring replicas back (an attempt open or
+    one to come): every attempt gets to run its course however slowly replacements start on a
+    loaded 2-core machine, and the steps after the last attempt was given up run at full speed."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        recruiter = trainer.strategy.recruiter  # type: ignore[attr-defined]
+        if recruiter is not None and recruiter.active():
             time.sleep(self.seconds)
 
 
@@ -198,8 +219,26 @@ def dead_ranks_loaders(out: Path, alive: list[int], shards: int) -> list[int]:
     return running
 
 
+def exit_at_start(specs: list[str]) -> None:
+    """``--replacement-exit``: a replacement of a named rank ends before it could be admitted."""
+    joining = rejoin.seat()
+    if joining is None:
+        return
+    for spec in specs:
+        rank, how, status = spec.split(":")
+        if int(rank) != joining.rank:
+            continue
+        # What the program sees of its world: the job's (the joiner sets it), never the spawn's.
+        world = os.environ.get("OMPI_COMM_WORLD_SIZE")
+        print(f"train_worker: replacement for rank {rank} (world {world}) exits with status {status} ({how})", file=sys.stderr, flush=True)
+        if how == "hard":
+            os._exit(int(status))
+        sys.exit(int(status))
+
+
 def main() -> None:
     args = parse()
+    exit_at_start(args.replacement_exit)
     out = Path(os.environ["LR_TEST_OUT"])
     init_seed = args.seed + (int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")) if args.unseeded else 0)
     model, data = build_tiny(init_seed)
@@ -231,7 +270,7 @@ def main() -> None:
         shards=args.shards, grad_accum=args.grad_accum, target_replicas=args.target, policy=args.policy,
         ledger_path=out / "ledger.jsonl", seed=args.seed, bucket_mb=0.01, min_replicas=args.min_replicas,
         checkpoint_dir=args.ckpt_dir, checkpoint_every_n_steps=args.ckpt_every,
-        rejoin=args.rejoin, rejoin_backoff_s=0.5, rejoin_timeout_s=60.0, rejoin_hosts=args.rejoin_hosts,
+        rejoin=args.rejoin, rejoin_backoff_s=0.5, rejoin_timeout_s=args.rejoin_timeout, rejoin_hosts=args.rejoin_hosts,
         rejoin_attempts=args.rejoin_attempts, sdc_every_n_steps=args.sdc_every, sdc_action=args.sdc_action,
         overlap=not args.no_overlap, sync_every_microbatch=args.sync_every_microbatch,
         data_plane=args.data_plane, replica_plane=args.replica_plane,
@@ -240,7 +279,8 @@ def main() -> None:
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, precision=args.precision,
         callbacks=[FaultInjection(json.loads(args.faults))] + ([PauseAfterFirstStep(args.pause)] if args.pause else [])
         + ([LostReplicaAlert(out)] if args.alerts else []) + user_ckpt
-        + ([SlowWhileDegraded(args.slow_while_degraded)] if args.slow_while_degraded else []), logger=LeaderCSVLogger(out, name="logs"),
+        + ([SlowWhileDegraded(args.slow_while_degraded)] if args.slow_while_degraded else [])
+        + ([SlowWhileRejoining(args.slow_while_rejoining)] if args.slow_while_rejoining else []), logger=LeaderCSVLogger(out, name="logs"),
         enable_checkpointing=bool(user_ckpt), enable_progress_bar=False, enable_model_summary=False,
         gradient_clip_val=1.0, num_sanity_val_steps=0, log_every_n_steps=1,
     )
