@@ -73,7 +73,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal, NoReturn, TextIO
 
-from lightning_recover.launcher import ENV_STATUS_DIR, NO_QUORUM_STATUS, QUORUM_MARKER
+from lightning_recover.launcher import ENV_STATUS_DIR, QUORUM_MARKER
 
 if TYPE_CHECKING:
     from lightning_recover.communicator import FaultTolerantComm
@@ -84,8 +84,11 @@ GATE_SIGNAL = signal.SIGUSR1
 GATE_EXIT_CODE = 128 + int(GATE_SIGNAL)
 #: The words every gate exit prints on stderr (tests and users grep for them).
 GATE_MESSAGE = "replica-consistency gate"
-#: The exit status of a rank whose side of a cut lost the quorum (EX_TEMPFAIL: relaunch may help).
-QUORUM_EXIT_CODE = NO_QUORUM_STATUS
+#: Signal a rank raises on itself when its side of a failure has no quorum (see :func:`quorum_exit`).
+QUORUM_SIGNAL = signal.SIGUSR2
+#: The shell exit status of such a rank (128 + signal number); the launcher reports the job
+#: as :data:`lightning_recover.launcher.NO_QUORUM_STATUS` when no rank finished.
+QUORUM_EXIT_CODE = 128 + int(QUORUM_SIGNAL)
 #: The words every quorum exit prints on stderr, and the start of its ``exited`` marker.
 QUORUM_MESSAGE = QUORUM_MARKER
 #: How a rank with an uncaught exception leaves (see :func:`install_crash_hook`).
@@ -369,18 +372,24 @@ def quorum_exit(rank: int, reason: str) -> NoReturn:
     Every survivor of the side runs this at the same point of the same repair, so the side
     stops whole; nothing is written after it. The ``exited`` marker holds ``no quorum: REASON``
     so a supervising launcher can tell this stop (relaunch from the newest checkpoint on the
-    hosts that remain) from a finished or broken job.
+    hosts that remain) from a finished or broken job. Like the gate, it leaves by a signal
+    (:data:`QUORUM_SIGNAL`), never a plain non-zero exit, which Open MPI's runtime answers by
+    aborting the whole job -- the side that may go on included. Callable from any thread
+    (the repair's time bound fires on a timer thread).
     """
     print(
         f"[lightning-recover] rank {rank}: {QUORUM_MESSAGE}: {reason}; this side stops so that only one "
-        f"world trains (status {QUORUM_EXIT_CODE}); relaunch from the newest checkpoint "
-        "(lightning-recover launch --supervise does it)",
+        f"world trains, leaving with {QUORUM_SIGNAL.name} (status {QUORUM_EXIT_CODE}); relaunch from the newest "
+        "checkpoint (lightning-recover launch --supervise does it)",
         file=sys.stderr,
         flush=True,
     )
     mark_status("exited", rank, f"{QUORUM_MESSAGE}: {reason}")
     sys.stdout.flush()
     time.sleep(OUTPUT_DRAIN_S)
+    _default_disposition(QUORUM_SIGNAL)
+    os.kill(os.getpid(), QUORUM_SIGNAL)
+    time.sleep(5)  # the signal is delivered before this returns; never run on as a zombie member
     os._exit(QUORUM_EXIT_CODE)
 
 

@@ -13,7 +13,7 @@ job instead, and no code inside the job can prevent it:
 * **a stop below min_replicas** (the strategy ends the job with status 3, by policy);
 * **no quorum** -- half the replicas, the leader's among them, lost to a cause the
   survivors cannot verify (a lost or cut-off host): the quorum rule
-  (:mod:`lightning_recover.quorum`) stops the other half too (status 75), so that two
+  (:mod:`lightning_recover.quorum`) stops the other half too (each rank by SIGUSR2; the job reports status 75), so that two
   worlds never train at once.
 
 ``lightning-recover launch --supervise`` (:func:`lightning_recover.launcher.supervise`)
@@ -87,7 +87,7 @@ Cause = Literal[
     "stalled",  # the supervisor's stall watchdog ended the job: no progress for the stall timeout
     "died",  # ranks came up, none ended on purpose, none raised: every replica died
     "too_few_replicas",  # the job stopped itself below min_replicas (status 3)
-    "no_quorum",  # ranks stopped because their side of a failure lost the quorum (status 75)
+    "no_quorum",  # ranks stopped because their side of a failure lost the quorum (SIGUSR2)
     "runtime_start_failed",  # Open MPI's runtime (or a daemon) did not come up: no rank ran
     "raised",  # the program raised an uncaught exception and no rank finished
     "stopped",  # the program stopped on purpose with another status (e.g. 2, a configuration error)

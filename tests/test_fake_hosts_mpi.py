@@ -140,7 +140,12 @@ def test_replacements_rejoin_on_a_spare_host(tmp_path: Path, fake_cluster: Calla
         cluster.wait_until(lambda: cluster.stopped_ranks(1) == [2], 120, "rank 2 stopped in step 1's reduce")
         seen["killed"] = cluster.kill_ranks(1)
         # The replacements' processes (ranks 0 and 1 of their own spawned job) appear on the spare host.
-        seen["spare"] = sorted(cluster.wait_until(lambda: cluster.ranks(2), 120, "replacements on the spare host").values())  # type: ignore[union-attr]
+        def both_replacements() -> dict[int, int] | None:
+            found = cluster.ranks(2)
+            return found if len(set(found.values())) >= 2 else None
+
+        both = cluster.wait_until(both_replacements, 120, "both replacements on the spare host")
+        seen["spare"] = sorted(set(both.values()))  # type: ignore[union-attr]
 
     job = train_worker(4, tmp_path, argv, faults, timeout=240, cluster=cluster, during=lose_host_1_then_watch_host_2)
     assert (tmp_path / "ledger.jsonl").exists(), job.describe()

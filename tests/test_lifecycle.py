@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lightning_recover import lifecycle
-from lightning_recover.launcher import ENV_STATUS_DIR
+from lightning_recover.launcher import ENV_STATUS_DIR, JobMarkers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -184,6 +184,29 @@ def test_gate_exit_from_a_helper_thread_dies_by_its_signal() -> None:
     assert proc.returncode == -signal.SIGUSR1, (proc.returncode, proc.stderr)
     assert proc.stdout == "", "neither an installed handler nor the code after gate_exit may run"
     assert "replica-consistency gate" in proc.stderr and "Error" not in proc.stderr, proc.stderr
+
+
+QUORUM = r"""
+import signal, sys, threading, time
+from lightning_recover import lifecycle
+signal.signal(signal.SIGUSR2, lambda *a: print("handler ran"))
+t = threading.Thread(target=lifecycle.quorum_exit, args=(2, "1 surviving replica(s) tie with 1"))
+t.start(); t.join(); time.sleep(2)
+print("still running")
+"""
+
+
+def test_quorum_exit_leaves_by_its_signal_from_any_thread_with_its_marker(tmp_path: Path) -> None:
+    # By a signal, never a plain non-zero exit (Open MPI would abort the whole job, the side
+    # that may go on included); from the repair's timer thread too.
+    env = {**os.environ, ENV_STATUS_DIR: str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", QUORUM], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGUSR2 and lifecycle.QUORUM_EXIT_CODE == 140, (proc.returncode, proc.stderr)
+    assert proc.stdout == "", "neither an installed handler nor the code after quorum_exit may run"
+    assert proc.stderr.strip().startswith("[lightning-recover] rank 2: no quorum: 1 surviving replica(s) tie with 1; ")
+    assert "--supervise" in proc.stderr
+    assert (tmp_path / "exited.2").read_text() == "no quorum: 1 surviving replica(s) tie with 1"
+    assert JobMarkers.read(str(tmp_path)).no_quorum == {2}
 
 
 def test_gate_status_through_a_shell() -> None:

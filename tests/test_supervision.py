@@ -107,7 +107,7 @@ def test_classify_judges_by_the_markers_not_mpiexecs_status() -> None:
     assert classify(Outcome(2, 0, lost_daemon_text("b"), raised={0: "MPI.Exception: x"})) == "lost_daemon"
     assert classify(Outcome(2, TOO_FEW_REPLICAS_STATUS, started=frozenset({0}), exited=frozenset({0}))) == "too_few_replicas"
     assert classify(Outcome(2, 2, started=frozenset({0}), exited=frozenset({0}))) == "stopped"
-    # A side stopped by the quorum rule (status 75): relaunch, even if a mate raised on its way out.
+    # A side stopped by the quorum rule (the job reports 75): relaunch, even if a mate raised on its way out.
     quorum = Outcome(2, 75, started=frozenset({0, 1}), exited=frozenset({0}), no_quorum=frozenset({0}), raised={1: "x"})
     assert classify(quorum) == "no_quorum"
     assert classify(Outcome(2, 1, RUNTIME_START_FAILURE)) == "runtime_start_failed"
