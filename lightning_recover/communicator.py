@@ -37,8 +37,13 @@ when a :class:`FaultTolerantComm` is built.
   a partition, and only one side may train; a side that may not leaves with
   :func:`lightning_recover.lifecycle.quorum_exit`. A repair that does not return within
   ``$LIGHTNING_RECOVER_REPAIR_TIMEOUT`` seconds (300) ends the rank the same way: an
-  agreement that never returns must not hang the job. Ranks MPI declared dead are then fenced (:func:`lightning_recover.lifecycle.kill_process`): one
-  that was only hung must never come back as a member.
+  agreement that never returns must not hang the job. Ranks MPI declared dead are then
+  fenced (:func:`lightning_recover.lifecycle.kill_process`): one that was only hung must
+  never come back as a member.
+* **Write fences** (:mod:`lightning_recover.fence`): the leader advances them at start,
+  after every repair and every join (:meth:`FaultTolerantComm.guard_writes`); a writer
+  calls :meth:`FaultTolerantComm.check_fences` first, and a rank of an older world or
+  launch leaves instead of writing.
 * ``grow(merged)`` installs a world that replacement ranks were merged into (hot re-join,
   :mod:`lightning_recover.rejoin`): a joiner takes the *logical* rank of a lost replica's
   rank, so ranks are named by logical rank everywhere (the original world rank until a

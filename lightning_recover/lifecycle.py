@@ -358,12 +358,7 @@ def gate_exit(rank: int, reason: str) -> NoReturn:
         file=sys.stderr,
         flush=True,
     )
-    sys.stdout.flush()
-    time.sleep(OUTPUT_DRAIN_S)
-    _default_disposition(GATE_SIGNAL)
-    os.kill(os.getpid(), GATE_SIGNAL)
-    time.sleep(5)  # the signal is delivered before this returns; never run on as a zombie member
-    os._exit(GATE_EXIT_CODE)
+    _leave_by(GATE_SIGNAL)
 
 
 def quorum_exit(rank: int, reason: str) -> NoReturn:
@@ -385,12 +380,17 @@ def quorum_exit(rank: int, reason: str) -> NoReturn:
         flush=True,
     )
     mark_status("exited", rank, f"{QUORUM_MESSAGE}: {reason}")
+    _leave_by(QUORUM_SIGNAL)
+
+
+def _leave_by(sig: signal.Signals) -> NoReturn:
+    """Die by ``sig`` (its default action, whatever handler was installed), after the output drained."""
     sys.stdout.flush()
     time.sleep(OUTPUT_DRAIN_S)
-    _default_disposition(QUORUM_SIGNAL)
-    os.kill(os.getpid(), QUORUM_SIGNAL)
+    _default_disposition(sig)
+    os.kill(os.getpid(), sig)
     time.sleep(5)  # the signal is delivered before this returns; never run on as a zombie member
-    os._exit(QUORUM_EXIT_CODE)
+    os._exit(128 + int(sig))
 
 
 def end_job(comm: FaultTolerantComm, exit_code: int | None = None) -> None:
