@@ -563,8 +563,8 @@ def _write_reference(run: ChaosRun, path: Path, steps: int) -> None:
 
 
 def _status_markers(status_root: Path) -> dict[str, dict[int, str]]:
-    """``ok`` / ``exited`` markers the ranks left under the launcher's kept status directory: kind -> rank -> text."""
-    out: dict[str, dict[int, str]] = {"ok": {}, "exited": {}}
+    """``ok`` / ``exited`` / ``raised`` markers the ranks left under the launcher's kept status directory: kind -> rank -> text."""
+    out: dict[str, dict[int, str]] = {"ok": {}, "exited": {}, "raised": {}}
     for marker in status_root.glob("job-*/*.*"):
         what, _, rank = marker.name.partition(".")
         if what in out and rank.isdigit():
@@ -640,6 +640,9 @@ def execute_on_hosts(
         out.split_brain.append(f"rank(s) {outsiders} outside the last world {sorted(last)} finished (results or ok markers)")
 
     code = proc.returncode
+    if markers["raised"]:
+        # A host fault must end a rank by death, the gate or the quorum rule, never by an exception.
+        out.violations.append("rank(s) raised: " + "; ".join(f"{r}: {t.splitlines()[-1] if t else '?'}" for r, t in sorted(markers["raised"].items())))
     if ledger:
         _write_reference(run, outdir / "reference.jsonl", len(ledger))
         verdict = check_ledger(ledger_path, reference=str(outdir / "reference.jsonl"), rtol=1e-4)
