@@ -692,6 +692,12 @@ def execute_on_hosts(
             out.split_brain.append(f"no side may go on, yet rank(s) {sorted(set(results) | set(markers['ok']))} finished")
     log_text = (outdir / "job.log").read_text(errors="replace")
     hit = [f for f in run.faults if not f["kind"].startswith("host_") and f"{f['kind']} rank {f['rank']} at step {f['step']} {f['phase']}" in log_text]
+    # Every step of every run is also checked for silent data corruption: none was injected here.
+    out.sdc_checks = sum(res.get("sdc_checks", 0) for res in results.values())
+    out.sdc_detections = sum(res.get("sdc_detections", 0) for res in results.values())
+    events = [e for line in ledger for e in line.get("sdc", [])]
+    if events:
+        out.violations.append(f"false positive: {len(events)} corruption event(s) in a run without injected corruption: {events}")
     applied = [{r // run.shards for r in a.ranks} for a in harness.applied if a.error is None]
     out.fired = len(hit) + len(applied)
     lost = {r for line in ledger for r in line["faults"]}

@@ -138,3 +138,4 @@ def test_short_campaign_on_fake_hosts_has_no_violation(tmp_path: Path) -> None:
     assert table["host faults applied"] == "2", table
     assert int(table["recovered"]) == int(table["faults injected (fired)"]) == 4, table
     assert table["cut-off ranks that left (no quorum)"] == "1", table
+    assert int(table["corruption checks (all ranks)"]) > 0 and table["sdc false positives"] == "0", table
