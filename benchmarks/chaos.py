@@ -577,7 +577,7 @@ def execute_on_hosts(
 ) -> Outcome:
     """Launch ``run`` on the fake hosts, let the harness apply its host fault, and judge it against ``pred`` (module docstring)."""
     from lightning_recover.launcher import NO_QUORUM_STATUS
-    from lightning_recover.ledger import check_ledger, read_ledger
+    from lightning_recover.ledger import LedgerFormatError, check_ledger, read_ledger
 
     if outdir.exists():
         shutil.rmtree(outdir)  # a result file left by an earlier campaign must never count as a survivor
@@ -625,7 +625,11 @@ def execute_on_hosts(
         out.violations.append(f"did not finish within {bound_s:.0f}s")
         return out
     ledger_path = outdir / "ledger.jsonl"
-    ledger = read_ledger(ledger_path) if ledger_path.exists() else []
+    try:
+        ledger = read_ledger(ledger_path) if ledger_path.exists() else []
+    except (OSError, LedgerFormatError) as exc:  # e.g. two writers' lines run together
+        out.violations.append(f"the ledger cannot be read: {exc}")
+        ledger = []
     markers = _status_markers(outdir / "status")
     results = {int(f.stem[4:]): json.loads(f.read_text()) for f in outdir.glob("rank*.json")}
     last = set(ledger[-1]["replicas"]) if ledger else set()
