@@ -201,6 +201,9 @@ HOST_TOPOLOGIES: tuple[tuple[int, int, int, int], ...] = ((3, 1, 3, 1), (2, 2, 4
 HOST_FAULT_KINDS = ("host_ranks_kill", "host_freeze", "host_partition", "host_flap")
 #: Open MPI's heartbeat detector without its thread (which hung fault-free jobs at finalize): the
 #: only way a cut-off or frozen host's ranks are noticed; a rank silent for 4 s is declared dead.
+#: How long after the cut a partitioned host's ranks may take to leave on their own (detection at
+#: 4 s per rank the detector must declare, one at a time, then the repair; a loaded 2-core machine).
+CUT_OFF_EXIT_BOUND_S = 60.0
 DETECTOR = ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "4"]
 
 
@@ -609,6 +612,8 @@ def execute_on_hosts(
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
         finally:
+            if not hang:
+                _let_cut_off_ranks_leave(cluster, harness)
             cluster.kill_everything()  # what outlived the job: a frozen host's or a cut-off host's processes
             harness.restore()  # links up, frozen hosts thawed: the next run gets whole hosts
             try:
@@ -679,7 +684,9 @@ def execute_on_hosts(
             left = [r for r in a.ranks if r // run.shards not in last]
             quiet = [r for r in left if not markers["exited"].get(r, "").startswith("no quorum")]
             if quiet:
-                out.violations.append(f"cut-off rank(s) {quiet} on {a.host} left without the no-quorum marker")
+                out.violations.append(
+                    f"cut-off rank(s) {quiet} on {a.host} did not leave with the no-quorum marker within {CUT_OFF_EXIT_BOUND_S:g}s of the cut"
+                )
             out.cut_off_left += len(left) - len(quiet)
         if code != 0:
             out.violations.append(f"the launcher's status is {code}, expected 0")
@@ -711,6 +718,16 @@ def execute_on_hosts(
     out.recovered = sum(1 for replicas in handled if replicas <= lost | last or not pred.proceeds)
     out.pauses = [p for line in ledger for p in line.get("pauses_s", [])]
     return out
+
+
+def _let_cut_off_ranks_leave(cluster: Any, harness: Any) -> None:
+    """Wait until a partitioned host's ranks left on their own (they must, for want of quorum), at most
+    :data:`CUT_OFF_EXIT_BOUND_S` after the cut: the job may end before they notice, and the cleanup
+    after it would otherwise kill them before they could show that they leave."""
+    for a in harness.applied:
+        if a.kind == "host_partition" and a.error is None:
+            while cluster.ranks(a.host) and time.monotonic() < a.at + CUT_OFF_EXIT_BOUND_S:
+                time.sleep(0.2)
 
 
 def host_campaign(
