@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -106,15 +107,31 @@ class HostFaultHarness:
             self.applied = []
             self._seen = set()
 
-    def restore(self) -> None:
-        """Undo what can be undone so the hosts serve the next job: every cut link up, every frozen host thawed."""
+    def restore(self, timeout: float = 30.0) -> None:
+        """Undo what can be undone so the hosts serve the next job: every cut link up (and carrying
+        traffic again: a job started before that lost a daemon that could not call back), every
+        frozen host thawed. :class:`TimeoutError` when a healed host stays unreachable for ``timeout`` s."""
         with self._lock:
-            for name in sorted(self._partitioned):
+            healed = sorted(self._partitioned)
+            for name in healed:
                 self.cluster.heal(name)
             for name in sorted(self._frozen):
                 self.cluster.thaw(name)
             self._partitioned.clear()
             self._frozen.clear()
+        for name in healed:
+            self.cluster.wait_until(lambda name=name: self._reachable(name), timeout, f"host {name} reachable from the head after heal")
+
+    def _reachable(self, name: str) -> bool:
+        """A TCP connect from the head host to a closed port of ``name``: refused means the link carries traffic."""
+        address = self.cluster.host(name).address
+        probe = (
+            "import socket, sys\n"
+            f"try: socket.create_connection(({address!r}, 9), timeout=0.5)\n"
+            "except ConnectionRefusedError: sys.exit(0)\n"
+            "except OSError: sys.exit(1)\n"
+        )
+        return self.cluster.run(self.cluster.head, [sys.executable, "-c", probe], check=False).returncode == 0
 
     # ------------------------------------------------------------------ the watcher
     def _watch(self) -> None:
