@@ -28,6 +28,47 @@ after joining (``join_startup`` / ``join_transfer`` / ``joined``, counted by re-
 attempt). The same invariants hold; a replacement that finished the run must hold the
 survivors' parameters, and only a replacement killed after joining is a recorded loss.
 
+With ``--hosts N`` (N >= 2, root: fake hosts in network namespaces,
+:mod:`lightning_recover.testing.fake_cluster`) every run goes onto up to N fake hosts
+built once for the campaign, with Open MPI's heartbeat detector on (period 1 s, timeout
+4 s, without its thread), and gets one **host fault** on a host other than the head
+(where mpiexec runs): ``host_ranks_kill`` (all its ranks, the daemon lives),
+``host_freeze`` (every process SIGSTOPped), ``host_partition`` (its link down for good) or
+``host_flap`` (down 2-6 s, then up), mixed with a rank fault elsewhere in most runs (kill,
+or a SIGSTOP on a host where another rank runs, whose watchdog kills it). FaultInjection asks for the host fault when the
+named rank reaches the point; the campaign's harness
+(:class:`lightning_recover.testing.host_faults.HostFaultHarness`) applies it. Each run's
+outcome is predicted with the no-split-brain rule (:mod:`lightning_recover.quorum`, the
+same inputs the survivors have) and checked:
+
+* it ends within the bound (else a *hang*);
+* **split brain** (counted apart): two ledger lines for one step, or a rank outside the
+  last world that finished (a result file or an ``ok`` marker) -- two sides trained;
+* when the rule lets the head's side go on: the ledger is exact against the fault-free
+  reference, the last world is the predicted one (a flap may also heal before anybody
+  noticed: then nobody is lost), the survivors are bitwise identical, and every rank of
+  a cut-off host that is not in the last world left with an ``exited`` marker starting
+  "no quorum"; the launcher's status is 0;
+* when the rule lets no side go on (only drawn where the other side is dead: all ranks of
+  a host killed, or a rank kill that leaves a tie without the leader): the launcher's status
+  is 75, every survivor left with the "no quorum" marker, nobody finished, and the ledger
+  up to the stop is exact.
+
+Draws left out on purpose, and why: the head host is never a victim (losing it loses the
+job on any cluster); the *whole host* with its daemon (``host_kill``) is not drawn, as
+Open MPI 5.0.x aborts the whole job on a lost daemon and only a supervised relaunch from a
+checkpoint continues (tested apart in tests/test_host_faults_mpi.py; this campaign's job
+writes no checkpoints); a cut where the rule lets the cut-off side go on instead of the
+head's (legal, but then the head's side stops while mpiexec waits on the far daemon); and a
+stop for want of quorum while a host is cut off or frozen or a rank is stopped, because
+mpiexec then waits for ranks it cannot reach and only a supervisor ends the job; and a
+rank SIGSTOPped alone on its host (no watchdog beside it): left to Open MPI's detector,
+one survivor learnt of the failure and another never did ("ranks known dead: not yet
+known"), no repair began, and the job hung until it was killed -- seen 3 times here (the
+leader alone on the head host twice, 120 s and 150 s, ``LIGHTNING_RECOVER_REPAIR_TIMEOUT=40``
+not ending it, so before the repair; rank 1 alone on host 1 stopped in the optimizer
+phase once, 150 s), while rank 2 alone on host 2 stopped in forward recovered in 19 s.
+
 It is a tool of the checkout, not of the installed package: it trains the example GPT of
 ``examples/model.py``. Exit status 1 on any violation or hang. ``python benchmarks/chaos.py
 job CONFIG`` is the launched job. :func:`reference_run` is the project's one fault-free
@@ -42,6 +83,7 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -70,6 +112,9 @@ class ChaosRun:
     seed: int
     faults: list[dict[str, Any]] = field(default_factory=list)
     rejoin: bool = False
+    #: Fake hosts the run uses (0: this machine, no fake hosts) and MPI slots on each.
+    hosts: int = 0
+    slots: int = 0
 
     @property
     def world(self) -> int:
@@ -81,8 +126,19 @@ class ChaosRun:
 
     def describe(self) -> str:
         t = f" T={self.target}" if self.target else ""
-        fs = ", ".join(f"s{f['step']} r{f['rank']} {f['phase']}{'/mb' + str(f['microbatch']) if 'microbatch' in f else ''} {f['kind']}" for f in self.faults)
-        return f"{self.replicas}x{self.shards}{t} G={self.grad_accum} B={self.B}{' rejoin' if self.rejoin else ''}: {fs}"
+        fs = ", ".join(
+            f"s{f['step']} r{f['rank']} {f['phase']}{'/mb' + str(f['microbatch']) if 'microbatch' in f else ''} {f['kind']}"
+            + (f" {f['seconds']:g}s" if "seconds" in f else "")
+            for f in self.faults
+        )
+        where = f" on {self.hosts} hosts x {self.slots}" if self.hosts else ""
+        return f"{self.replicas}x{self.shards}{t}{where} G={self.grad_accum} B={self.B}{' rejoin' if self.rejoin else ''}: {fs}"
+
+    def host_of(self, rank: int) -> int:
+        """The fake host (index) ``rank`` runs on: Open MPI fills each host's slots in turn."""
+        if not self.hosts:
+            raise ValueError("host_of applies to runs on fake hosts (--hosts N)")
+        return rank // self.slots
 
 
 #: Re-join phases a replacement can be killed in (FaultInjection counts their step by attempt).
@@ -138,6 +194,135 @@ def draw_run(
                 run.faults.append({"step": rng.choice(ok), "rank": rank, "phase": "optimizer",
                                    "kind": "corrupt", "target": "params" if target == "grads" else target})
     return run
+
+
+# ---------------------------------------------------------------------- runs on fake hosts
+#: (hosts, slots per host, replicas, shards) for ``--hosts N``: ranks fill each host in turn, every
+#: replica lives on one host, at most 4 ranks (2 cores). Those needing more hosts than N are left out.
+HOST_TOPOLOGIES: tuple[tuple[int, int, int, int], ...] = ((3, 1, 3, 1), (2, 2, 4, 1), (2, 2, 2, 2), (4, 1, 4, 1))
+#: The host faults drawn (``host_kill`` is not: see the module docstring).
+HOST_FAULT_KINDS = ("host_ranks_kill", "host_freeze", "host_partition", "host_flap")
+#: Open MPI's heartbeat detector without its thread (which hung fault-free jobs at finalize): the
+#: only way a cut-off or frozen host's ranks are noticed; a rank silent for 4 s is declared dead.
+#: How long after the cut a partitioned host's ranks may take to leave on their own (detection at
+#: 4 s per rank the detector must declare, one at a time, then the repair; a loaded 2-core machine).
+CUT_OFF_EXIT_BOUND_S = 60.0
+DETECTOR = ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "4"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the no-split-brain rule says a run on fake hosts must end with."""
+
+    #: True: the head's side goes on to the last step; False: it stops for want of quorum.
+    proceeds: bool
+    #: The replicas of the last world, one set per way the run may go (a flap may heal unnoticed).
+    final: tuple[frozenset[int], ...]
+    #: proceeds=False: the ranks that must leave with the "no quorum" marker (the head's side at the stop).
+    stopped: frozenset[int] = frozenset()
+    #: Why a draw was refused (None: a valid draw).
+    refused: str | None = None
+    #: The run has a flap: Open MPI's detector (each rank watches one other, in a ring) declares
+    #: dead only those whose watcher sits across the cut while the link is down, and Open MPI
+    #: aborts a declared rank once it hears of it. So any non-empty part of ``final[0]`` may
+    #: form the last world, or the head's side may stop for want of quorum; one world at most.
+    flap: bool = False
+
+
+def predict(run: ChaosRun, flap_lost: bool = True) -> Prediction:
+    """Replay ``run``'s faults through :func:`lightning_recover.quorum.decide` with the inputs the
+    survivors have (who was in the previous world, who is still reachable, on which host).
+
+    The faults must fall in distinct steps (each is its own repair). ``flap_lost``: the flap
+    lasted long enough for the detector (else it costs nothing)."""
+    from lightning_recover import quorum
+
+    world = range(run.world)
+    host_of = {r: str(run.host_of(r)) for r in world}
+    replica_of = {r: r // run.shards for r in world}
+    alive = set(range(run.replicas))
+    events = sorted(run.faults, key=lambda f: (f["step"], PHASES.index(f["phase"])))
+    for f in events:
+        live = [r for r in world if replica_of[r] in alive]
+        if replica_of[f["rank"]] not in alive:
+            return Prediction(False, (), refused=f"rank {f['rank']} is gone before its fault fires")
+        leader = replica_of[min(live)]
+        if f["kind"].startswith("host_"):
+            if f["kind"] == "host_flap" and not flap_lost:
+                continue
+            cut = [r for r in live if host_of[r] == host_of[f["rank"]]]
+        else:
+            cut = [f["rank"]]
+        present = [r for r in live if r not in cut]
+        keep = {replica_of[r] for r in present} - {replica_of[r] for r in cut}
+        if not keep:
+            return Prediction(False, (), refused=f"the {f['kind']} at step {f['step']} leaves no replica on the head's side")
+        verdict = quorum.decide(alive, keep, quorum.certain_losses(cut, present, host_of, replica_of), leader)
+        if f["kind"] in ("host_partition", "host_flap"):
+            far = {replica_of[r] for r in cut}
+            other = quorum.decide(alive, far, quorum.certain_losses(present, cut, host_of, replica_of), leader)
+            if other.proceed:
+                return Prediction(False, (), refused=f"the rule lets the cut-off side go on ({other.reason})")
+        if verdict.proceed:
+            alive = keep
+            continue
+        cut_off = any(g["kind"] in ("host_partition", "host_flap", "host_freeze") for g in events)
+        stopped_rank = any(g["kind"] == "hang" for g in events)
+        if cut_off or stopped_rank:
+            return Prediction(False, (), refused="a stop for want of quorum while mpiexec waits on ranks it cannot reach")
+        return Prediction(False, (frozenset(alive),), stopped=frozenset(present))
+    return Prediction(True, (frozenset(alive),))
+
+
+def draw_host_run(index: int, rng: random.Random, steps: int, n_hosts: int, hangs: bool = True) -> tuple[ChaosRun, Prediction]:
+    """One run on fake hosts: one host fault on a host other than the head, and in most runs a rank
+    fault on another host, in another step. Draws the rule would end in a way the campaign
+    cannot judge are drawn again (module docstring); returns the run and its prediction."""
+    if n_hosts < 2:
+        raise ValueError(f"--hosts must be >= 2 (a host fault needs a host besides the head), got {n_hosts}")
+    if steps < 3:
+        raise ValueError(f"runs on fake hosts need --steps >= 3 (a step before the host fault and one after), got {steps}")
+    topologies = [t for t in HOST_TOPOLOGIES if t[0] <= n_hosts]
+    for _ in range(1000):
+        H, slots, W, S = rng.choice(topologies)
+        run = ChaosRun(index, W, S, None, grad_accum=rng.randint(1, 2), steps=steps, seed=rng.randint(0, 2**31 - 1), hosts=H, slots=slots)
+        victim = rng.randrange(1, H)
+        kind = rng.choice(HOST_FAULT_KINDS)
+        host_step = rng.randint(1, steps - 2)
+        fault: dict[str, Any] = {"step": host_step, "rank": rng.choice([r for r in range(run.world) if run.host_of(r) == victim]),
+                                 "phase": rng.choice(PHASES), "kind": kind}
+        if kind == "host_flap":
+            fault["seconds"] = round(rng.uniform(2.0, 6.0), 1)
+        run.faults.append(fault)
+        elsewhere = [r for r in range(run.world) if run.host_of(r) != victim]
+        # Never in the last step (a death after the last commit is in no ledger line); before a
+        # flap only, whose cost is not known in advance (Prediction.flap).
+        rank_steps = [t for t in range(steps - 1) if t != host_step and (kind != "host_flap" or t < host_step)]
+        if rng.random() < 0.7 and rank_steps:
+            rank_step = rng.choice(rank_steps)
+            r = rng.random()
+            # A stopped rank alone on its host has no watchdog beside it and is left to Open MPI's
+            # detector, with which the survivors often never began a repair (module docstring): a
+            # hang goes only where another rank of the host watches it.
+            run.faults.append({"step": rank_step, "rank": rng.choice(elsewhere), "phase": rng.choice(PHASES),
+                               "kind": "hang" if hangs and r < 0.2 and slots >= 2 else "kill"})
+        for f in run.faults:
+            if f["phase"] in ("forward", "backward"):
+                f["microbatch"] = 0  # every replica computes a first microbatch in every step
+            elif f["phase"] == "reduce":
+                f["bucket"] = 0
+        pred = predict(run)
+        if pred.refused is not None:
+            continue
+        if kind == "host_flap":
+            # Which replicas a flap costs is up to the detector's ring (Prediction.flap): the
+            # replicas alive before it are all the campaign can hold the last world to.
+            quiet = predict(run, flap_lost=False)
+            if quiet.refused is not None or not quiet.proceeds:
+                continue
+            pred = Prediction(True, quiet.final, flap=True)
+        return run, pred
+    raise RuntimeError(f"no valid run on {n_hosts} hosts drawn in 1000 tries; this is a bug in draw_host_run")
 
 
 def slow_while_degraded(seconds: float) -> Any:
@@ -280,6 +465,14 @@ class Outcome:
     #: Injected corruptions that fired, and how many of them the ledger shows detected.
     corruptions: int = 0
     corruptions_found: int = 0
+    #: Runs on fake hosts: two sides trained (each entry says how it showed).
+    split_brain: list[str] = field(default_factory=list)
+    #: The host faults the harness applied ("KIND HOST ranks [...]").
+    host_faults: list[str] = field(default_factory=list)
+    #: The run ended for want of quorum, as the rule said it must.
+    no_quorum: bool = False
+    #: Ranks of a cut-off host that left with the no-quorum marker.
+    cut_off_left: int = 0
 
 
 def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) -> Outcome:
@@ -365,6 +558,204 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
     return out
 
 
+def _write_reference(run: ChaosRun, path: Path, steps: int) -> None:
+    from lightning_recover.ledger import LedgerWriter
+
+    with LedgerWriter(path) as ref:
+        for step, loss in enumerate(reference_run(run.B, run.steps, run.seed)[0][:steps]):
+            ids = list(range(step * run.B, (step + 1) * run.B))
+            ref.write({"step": step, "loss": loss, "B": run.B, "committed": run.B, "microbatch_ids": ids, "replicas": [],
+                       "world_epoch": 0, "roles": {}, "faults": [], "extra_microbatches": 0, "step_time_s": 0.0, "recovery_s": 0.0})
+
+
+def _status_markers(status_root: Path) -> dict[str, dict[int, str]]:
+    """``ok`` / ``exited`` / ``raised`` markers the ranks left under the launcher's kept status directory: kind -> rank -> text."""
+    out: dict[str, dict[int, str]] = {"ok": {}, "exited": {}, "raised": {}}
+    for marker in status_root.glob("job-*/*.*"):
+        what, _, rank = marker.name.partition(".")
+        if what in out and rank.isdigit():
+            out[what][int(rank)] = marker.read_text(errors="replace")
+    return out
+
+
+def execute_on_hosts(
+    run: ChaosRun, pred: Prediction, outdir: Path, cluster: Any, harness: Any, bound_s: float, hang_timeout: float
+) -> Outcome:
+    """Launch ``run`` on the fake hosts, let the harness apply its host fault, and judge it against ``pred`` (module docstring)."""
+    from lightning_recover.launcher import NO_QUORUM_STATUS
+    from lightning_recover.ledger import LedgerFormatError, check_ledger, read_ledger
+
+    if outdir.exists():
+        shutil.rmtree(outdir)  # a result file left by an earlier campaign must never count as a survivor
+    outdir.mkdir(parents=True)
+    cfg = {**asdict(run), "target": None, "out": str(outdir)}
+    (outdir / "config.json").write_text(json.dumps(cfg))
+    harness.reset(outdir / "host-faults")
+    argv = cluster.launcher_argv(
+        run.world, [sys.executable, str(Path(__file__).resolve()), "job", str(outdir / "config.json")], extra=DETECTOR, cwd=REPO,
+        launcher_options=["--status-dir", str(outdir / "status")], slots=run.slots, hosts=run.hosts,
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
+    env.update(harness.env(), OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "benchmarks")]))
+    # The watchdog kills a stopped rank from beside it on its host (as in the one-machine campaign);
+    # Open MPI's detector finds what no watchdog can see (a frozen or cut-off host).
+    env["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{hang_timeout:g}"
+    t0 = time.monotonic()
+    hang = False
+    # The launcher's output goes to a file: a cut-off host's daemon outlives mpiexec and would hold a pipe.
+    with open(outdir / "job.log", "w") as logf:
+        proc = subprocess.Popen(argv, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=bound_s)
+        except subprocess.TimeoutExpired:
+            hang = True
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)  # the launcher forwards it to mpiexec's session
+                proc.wait(timeout=15)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        finally:
+            if not hang:
+                _let_cut_off_ranks_leave(cluster, harness)
+            cluster.kill_everything()  # what outlived the job: a frozen host's or a cut-off host's processes
+            harness.restore()  # links up, frozen hosts thawed: the next run gets whole hosts
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    out = Outcome(run, time.monotonic() - t0, hang=hang)
+    out.host_faults = [f"{a.kind} {a.host} ranks {a.ranks}" if a.error is None else f"{a.kind}: {a.error}" for a in harness.applied]
+    bad = [a.error for a in harness.applied if a.error is not None]
+    if bad:
+        out.violations.append("host fault not applied: " + "; ".join(bad))
+    if hang:
+        out.violations.append(f"did not finish within {bound_s:.0f}s")
+        return out
+    ledger_path = outdir / "ledger.jsonl"
+    try:
+        ledger = read_ledger(ledger_path) if ledger_path.exists() else []
+    except (OSError, LedgerFormatError) as exc:  # e.g. two writers' lines run together
+        out.violations.append(f"the ledger cannot be read: {exc}")
+        ledger = []
+    markers = _status_markers(outdir / "status")
+    results = {int(f.stem[4:]): json.loads(f.read_text()) for f in outdir.glob("rank*.json")}
+    last = set(ledger[-1]["replicas"]) if ledger else set()
+
+    # Split brain: two sides trained (two leaders' lines for one step; a rank outside the last world finished).
+    steps = [line["step"] for line in ledger]
+    twice = sorted({t for t in steps if steps.count(t) > 1})
+    if twice:
+        out.split_brain.append(f"two ledger lines for step(s) {twice}")
+    outsiders = sorted(r for r in set(results) | set(markers["ok"]) if r // run.shards not in last)
+    if outsiders:
+        out.split_brain.append(f"rank(s) {outsiders} outside the last world {sorted(last)} finished (results or ok markers)")
+
+    code = proc.returncode
+    if markers["raised"]:
+        # A host fault must end a rank by death, the gate or the quorum rule, never by an exception.
+        out.violations.append("rank(s) raised: " + "; ".join(f"{r}: {t.splitlines()[-1] if t else '?'}" for r, t in sorted(markers["raised"].items())))
+    if ledger:
+        _write_reference(run, outdir / "reference.jsonl", len(ledger))
+        verdict = check_ledger(ledger_path, reference=str(outdir / "reference.jsonl"), rtol=1e-4)
+        if not verdict.ok:
+            out.violations.append(verdict.summary_line())
+    else:
+        out.violations.append("no ledger written")
+    stopped = code == NO_QUORUM_STATUS and not markers["ok"]
+    if pred.flap and stopped:
+        # The detector's ring left the head's side without quorum: a stop the rule made; check it as one.
+        pred = Prediction(False, pred.final, stopped=frozenset(r for r, text in markers["exited"].items() if text.startswith("no quorum")))
+        if not pred.stopped:
+            out.violations.append("the run stopped with status 75 but no rank left a no-quorum marker")
+    if pred.proceeds:
+        if len(ledger) != run.steps:
+            out.violations.append(f"ledger has {len(ledger)} steps, expected {run.steps}")
+        if pred.flap:
+            if not last or not last <= pred.final[0]:
+                out.violations.append(f"after the flap the last world is {sorted(last)}, not a part of {sorted(pred.final[0])}")
+        elif frozenset(last) not in pred.final:
+            out.violations.append(f"the last world is {sorted(last)}, the rule predicts {' or '.join(str(sorted(f)) for f in pred.final)}")
+        if {r // run.shards for r in results} != last:
+            out.violations.append(f"survivor results from ranks {sorted(results)} but the ledger ends with replicas {sorted(last)}")
+        if len({res['digest'] for res in results.values()}) > 1:
+            out.violations.append("surviving replicas hold different parameters")
+        # A flap's lost ranks may also have been aborted by Open MPI itself (declared dead, then
+        # told so once the link was back): only a partition's are held to the marker.
+        cut = [a for a in harness.applied if a.kind == "host_partition"]
+        for a in cut:
+            left = [r for r in a.ranks if r // run.shards not in last]
+            quiet = [r for r in left if not markers["exited"].get(r, "").startswith("no quorum")]
+            if quiet:
+                out.violations.append(
+                    f"cut-off rank(s) {quiet} on {a.host} did not leave with the no-quorum marker within {CUT_OFF_EXIT_BOUND_S:g}s of the cut"
+                )
+            out.cut_off_left += len(left) - len(quiet)
+        if code != 0:
+            out.violations.append(f"the launcher's status is {code}, expected 0")
+    else:
+        out.no_quorum = True
+        if code != NO_QUORUM_STATUS:
+            out.violations.append(f"the launcher's status is {code}, expected {NO_QUORUM_STATUS} (no quorum)")
+        if len(ledger) >= run.steps:
+            out.violations.append(f"the rule lets no side go on, yet the ledger has all {len(ledger)} steps")
+        quiet = sorted(r for r in pred.stopped if not markers["exited"].get(r, "").startswith("no quorum"))
+        if quiet:
+            out.violations.append(f"rank(s) {quiet} of the head's side did not leave with the no-quorum marker")
+        if results or markers["ok"]:
+            out.split_brain.append(f"no side may go on, yet rank(s) {sorted(set(results) | set(markers['ok']))} finished")
+    log_text = (outdir / "job.log").read_text(errors="replace")
+    hit = [f for f in run.faults if not f["kind"].startswith("host_") and f"{f['kind']} rank {f['rank']} at step {f['step']} {f['phase']}" in log_text]
+    # Every step of every run is also checked for silent data corruption: none was injected here.
+    out.sdc_checks = sum(res.get("sdc_checks", 0) for res in results.values())
+    out.sdc_detections = sum(res.get("sdc_detections", 0) for res in results.values())
+    events = [e for line in ledger for e in line.get("sdc", [])]
+    if events:
+        out.violations.append(f"false positive: {len(events)} corruption event(s) in a run without injected corruption: {events}")
+    applied = [{r // run.shards for r in a.ranks} for a in harness.applied if a.error is None]
+    out.fired = len(hit) + len(applied)
+    lost = {r for line in ledger for r in line["faults"]}
+    # Handled: recorded as lost in a committed step, still in the last world (a flap nobody noticed),
+    # or the run stopped for want of quorum as the rule said it must.
+    handled = [{f["rank"] // run.shards} for f in hit] + applied
+    out.recovered = sum(1 for replicas in handled if replicas <= lost | last or not pred.proceeds)
+    out.pauses = [p for line in ledger for p in line.get("pauses_s", [])]
+    return out
+
+
+def _let_cut_off_ranks_leave(cluster: Any, harness: Any) -> None:
+    """Wait until a partitioned host's ranks left on their own (they must, for want of quorum), at most
+    :data:`CUT_OFF_EXIT_BOUND_S` after the cut: the job may end before they notice, and the cleanup
+    after it would otherwise kill them before they could show that they leave."""
+    for a in harness.applied:
+        if a.kind == "host_partition" and a.error is None:
+            while cluster.ranks(a.host) and time.monotonic() < a.at + CUT_OFF_EXIT_BOUND_S:
+                time.sleep(0.2)
+
+
+def host_campaign(
+    runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, n_hosts: int, hangs: bool = True
+) -> list[Outcome]:
+    """``--hosts N``: the campaign on N fake hosts built once (module docstring)."""
+    from lightning_recover.testing.fake_cluster import FakeCluster, cleanup_stale
+    from lightning_recover.testing.host_faults import HostFaultHarness
+
+    rng = random.Random(seed)
+    draws = [draw_host_run(i, rng, steps, n_hosts, hangs=hangs) for i in range(runs)]
+    outcomes = []
+    cleanup_stale()  # what a SIGKILLed earlier campaign left (only instances whose owner is gone)
+    slots = max(run.slots for run, _ in draws)
+    with FakeCluster(n_hosts, slots=slots) as cluster, HostFaultHarness(cluster, outdir / "host-faults") as harness:
+        for run, pred in draws:
+            res = execute_on_hosts(run, pred, outdir / f"run{run.index:04d}", cluster, harness, bound_s, hang_timeout)
+            outcomes.append(res)
+            status = "OK" if not res.violations and not res.split_brain else "VIOLATION: " + "; ".join(res.split_brain + res.violations)
+            end = "no quorum (by the rule)" if res.no_quorum else "went on"
+            print(f"[{run.index + 1}/{runs}] {run.describe()} [{'; '.join(res.host_faults)}] -> {end}, "
+                  f"{res.recovered}/{res.fired} recovered in {res.seconds:.0f}s {status}", flush=True)
+    return outcomes
+
+
 def campaign(
     runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, hangs: bool = True, stuck: bool = False,
     joins: bool = False, corrupt: bool = False,
@@ -386,6 +777,7 @@ def summary(outcomes: list[Outcome]) -> str:
     recovered = sum(o.recovered for o in outcomes)
     violations = sum(1 for o in outcomes if o.violations and not o.hang)
     hangs = sum(1 for o in outcomes if o.hang)
+    on_hosts = any(o.run.hosts for o in outcomes)
     pauses = sorted(p for o in outcomes for p in o.pauses)
     med = pauses[len(pauses) // 2] if pauses else float("nan")
     detects = sorted(d for o in outcomes for d in o.detects)
@@ -397,6 +789,13 @@ def summary(outcomes: list[Outcome]) -> str:
         ("corruptions injected / detected", f"{sum(o.corruptions for o in outcomes)} / {sum(o.corruptions_found for o in outcomes)}"),
         ("sdc false positives", sum(1 for o in outcomes if any(v.startswith("false positive") for v in o.violations))),
     ]
+    if on_hosts:
+        rows += [
+            ("split brains", sum(1 for o in outcomes if o.split_brain)),
+            ("host faults applied", sum(len(o.host_faults) for o in outcomes)),
+            ("no-quorum stops (the rule's outcome)", sum(1 for o in outcomes if o.no_quorum)),
+            ("cut-off ranks that left (no quorum)", sum(o.cut_off_left for o in outcomes)),
+        ]
     if detects:
         rows.append(("silent-fault detection", f"n={len(detects)} median {detects[len(detects) // 2]:.2f}s max {detects[-1]:.2f}s"))
     width = max(len(k) for k, _ in rows)
@@ -419,18 +818,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stuck", action="store_true", help="half of the silent faults spin in compute instead of SIGSTOP")
     ap.add_argument("--corrupt", action="store_true", help="one bit-flip corruption per run (silent data corruption)")
     ap.add_argument("--joins", action="store_true", help="hot re-join on, and faults on the replacements (needs --steps >= 30)")
+    ap.add_argument("--hosts", type=int, default=0, metavar="N",
+                    help="run on N >= 2 fake hosts (root) with one host fault per run, mixed with rank faults (module docstring)")
     args = ap.parse_args(argv)
     if args.runs < 1:
         ap.error(f"--runs must be >= 1, got {args.runs}")
     if args.joins and args.steps < 30:
         ap.error(f"--joins needs --steps >= 30 (a replacement takes seconds to start), got {args.steps}")
-    outcomes = campaign(
-        args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, hangs=not args.no_hangs, stuck=args.stuck,
-        joins=args.joins, corrupt=args.corrupt,
-    )
+    if args.hosts:
+        if args.hosts < 2:
+            ap.error(f"--hosts must be >= 2 (a host fault needs a host besides the head, where mpiexec runs), got {args.hosts}")
+        if args.steps < 3:
+            ap.error(f"--hosts needs --steps >= 3 (a step before the host fault and one after), got {args.steps}")
+        if args.joins or args.stuck or args.corrupt:
+            ap.error("--hosts does not combine with --joins, --stuck or --corrupt (their campaigns run on one machine)")
+        outcomes = host_campaign(
+            args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, args.hosts, hangs=not args.no_hangs
+        )
+    else:
+        outcomes = campaign(
+            args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, hangs=not args.no_hangs, stuck=args.stuck,
+            joins=args.joins, corrupt=args.corrupt,
+        )
     print(summary(outcomes))
-    bad = any(o.violations for o in outcomes)
-    print(f"chaos: {'FAILED' if bad else 'OK'}: {len(outcomes)} runs, {sum(1 for o in outcomes if o.violations)} with violations")
+    bad = any(o.violations or o.split_brain for o in outcomes)
+    print(f"chaos: {'FAILED' if bad else 'OK'}: {len(outcomes)} runs, {sum(1 for o in outcomes if o.violations or o.split_brain)} with violations")
     return 1 if bad else 0
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chaos import JOIN_PHASES, PHASES, draw_run  # benchmarks/chaos.py (tests/conftest.py puts benchmarks/ on sys.path)
+from chaos import HOST_FAULT_KINDS, JOIN_PHASES, PHASES, ChaosRun, Prediction, draw_host_run, draw_run, predict  # benchmarks/chaos.py (tests/conftest.py puts benchmarks/ on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,4 +72,70 @@ def test_short_campaign_has_no_violation(tmp_path: Path) -> None:
     assert int(table["recovered"]) == int(table["faults injected (fired)"]) > 0
     assert table["silent-fault detection"].startswith("n="), table
     # Every rank checked for silent data corruption after every step: no false positive.
+    assert int(table["corruption checks (all ranks)"]) > 0 and table["sdc false positives"] == "0", table
+
+
+# ---------------------------------------------------------------------- runs on fake hosts (--hosts N)
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(3, 6), hosts=st.integers(2, 4))
+def test_host_draws_spare_the_head_and_follow_the_quorum_rule(seed: int, steps: int, hosts: int) -> None:
+    run, pred = draw_host_run(0, random.Random(seed), steps, hosts)
+    assert 2 <= run.hosts <= hosts and run.world <= run.hosts * run.slots
+    host_faults = [f for f in run.faults if f["kind"].startswith("host_")]
+    rank_faults = [f for f in run.faults if not f["kind"].startswith("host_")]
+    assert len(host_faults) == 1 and len(rank_faults) <= 1
+    (hf,) = host_faults
+    victim = run.host_of(hf["rank"])
+    assert victim != 0, "the head host (mpiexec's) is never the victim"
+    assert hf["kind"] in HOST_FAULT_KINDS and 1 <= hf["step"] <= steps - 2
+    for f in rank_faults:
+        assert run.host_of(f["rank"]) != victim and f["step"] != hf["step"] and f["step"] < steps - 1
+        assert f["kind"] == "kill" or run.slots >= 2, "a stopped rank always has a watchdog beside it"
+        if hf["kind"] == "host_flap":
+            assert f["step"] < hf["step"], "a flap's cost is unknown in advance: nothing is scheduled after it"
+    assert pred.refused is None and pred.flap == (hf["kind"] == "host_flap")
+    if not pred.proceeds:
+        # Drawn only where the far side is dead: all ranks of a host killed, and rank faults that are kills.
+        assert hf["kind"] == "host_ranks_kill" and all(f["kind"] == "kill" for f in rank_faults)
+        assert pred.stopped and all(run.host_of(r) != victim for r in pred.stopped)
+
+
+def _hosts_run(replicas: int, shards: int, hosts: int, slots: int, faults: list[dict]) -> ChaosRun:
+    return ChaosRun(0, replicas, shards, None, grad_accum=1, steps=4, seed=0, faults=faults, hosts=hosts, slots=slots)
+
+
+def test_predict_follows_the_quorum_rule() -> None:
+    # 3 hosts, one replica each: a partitioned host 2 is a minority; the head's side goes on.
+    assert predict(_hosts_run(3, 1, 3, 1, [{"step": 1, "rank": 2, "phase": "reduce", "kind": "host_partition"}])) == Prediction(
+        True, (frozenset({0, 1}),))
+    # 2 hosts x 2: rank 1 killed (certain: rank 0 survives on its host), then host 1's ranks killed: the
+    # head's side (replica 0) faces two replicas it cannot check -> no side may go on (the far side is dead).
+    faults = [{"step": 0, "rank": 1, "phase": "forward", "kind": "kill"}, {"step": 2, "rank": 3, "phase": "forward", "kind": "host_ranks_kill"}]
+    assert predict(_hosts_run(4, 1, 2, 2, faults)) == Prediction(False, (frozenset({0, 2, 3}),), stopped=frozenset({0}))
+    # The same with a partition: the cut-off side (2 replicas against 1) would go on: such a draw is refused.
+    faults[1]["kind"] = "host_partition"
+    assert predict(_hosts_run(4, 1, 2, 2, faults)).refused is not None
+    # An even split keeps the leader's side.
+    assert predict(_hosts_run(2, 2, 2, 2, [{"step": 1, "rank": 2, "phase": "reduce", "kind": "host_freeze"}])) == Prediction(
+        True, (frozenset({0}),))
+
+
+@pytest.mark.mpi
+def test_short_campaign_on_fake_hosts_has_no_violation(tmp_path: Path) -> None:
+    # Seed 5 draws two runs on 3 one-slot hosts, each mixing a rank kill with a host fault: a frozen
+    # host, and a partitioned host whose rank must leave for want of quorum.
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--hosts", "3", "--runs", "2", "--seed", "5", "--steps", "3",
+        "--bound", "100", "--out", str(tmp_path),
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    print(res.stdout)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    lines = res.stdout.splitlines()
+    assert lines[-1].startswith("chaos: OK: 2 runs, 0 with violations"), lines[-1]
+    table = {k.strip(): v.strip() for k, v in (line.split("  ", 1) for line in lines if not line.startswith(("[", "chaos:")))}
+    assert table["violations"] == "0" and table["hangs"] == "0" and table["split brains"] == "0", table
+    assert table["host faults applied"] == "2", table
+    assert int(table["recovered"]) == int(table["faults injected (fired)"]) == 4, table
+    assert table["cut-off ranks that left (no quorum)"] == "1", table
     assert int(table["corruption checks (all ranks)"]) > 0 and table["sdc false positives"] == "0", table

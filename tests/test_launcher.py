@@ -278,6 +278,18 @@ def test_a_job_stopped_for_want_of_quorum_fails_and_says_how_to_go_on(tmp_path: 
     assert final_words(_markers(tmp_path, {"ok.2": "", "ok.3": ""}), 4, 0) == (0, None)
 
 
+def test_a_side_that_stopped_behind_a_healed_cut_does_not_fail_a_job_that_finished(tmp_path: Path) -> None:
+    # A flap: rank 1 was cut off, stopped for want of quorum, and its status 75 reached mpiexec once
+    # the link was back; the last world (rank 0) finished every step.
+    files = {"started.0": "", "started.1": "", "exited.1": "no quorum: 1 tie", "ok.0": "", "done.0": "0"}
+    status, words = final_words(_markers(tmp_path, files), 2, 75)
+    assert status == 0
+    assert words == "note: rank 1 stopped for want of a quorum while cut off; the last world went on without them and finished"
+    # Without the last world's done marker the job did not finish: mpiexec's status stays.
+    (tmp_path / "done.0").unlink()
+    assert final_words(JobMarkers.read(str(tmp_path)), 2, 75)[0] == 75
+
+
 def test_every_rank_raised_the_same_error(tmp_path: Path) -> None:
     m = _markers(tmp_path, {"started.0": "", "started.1": "", "raised.0": BUG, "raised.1": BUG, "printed.0123abcd": ""})
     assert m.raised == {0: ("ValueError", "ValueError: user bug 42"), 1: ("ValueError", "ValueError: user bug 42")}

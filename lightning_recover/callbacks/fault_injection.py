@@ -27,12 +27,38 @@ optimizer state tensor, e.g. Adam's ``exp_avg``); e.g. ``{step: 3, rank: 2, phas
 optimizer, kind: corrupt, target: params}`` corrupts rank 2 just before step 3's update.
 The strategy calls
 :meth:`FaultInjection.at` at each point; an entry fires once.
+
+Host-level faults (a rank cannot do them to its own host; a harness outside the job does)
+    ``kind`` ``host_ranks_kill`` (every rank of this rank's host SIGKILLed, Open MPI's
+    daemon there lives on), ``host_kill`` (the whole host lost: ranks and daemon),
+    ``host_freeze`` (every process of the host SIGSTOPped), ``host_partition`` (the host's
+    link down for good) and ``host_flap`` (the link down for ``seconds``, default
+    :data:`FLAP_DEFAULT_S`, then up again). ``rank`` names the rank whose arrival at the
+    point triggers the fault *and* the host it hits (the host that rank runs on).
+    Contract with the harness (:class:`lightning_recover.testing.host_faults.HostFaultHarness`
+    on fake hosts, or any other that speaks it):
+
+    1. The harness sets :data:`ENV_HOST_FAULTS` to a directory every rank can write and
+       watches it.
+    2. At the point, the rank writes ``request.R.STEP.PHASE.json`` there (atomically: a
+       rename), holding ``kind``, ``rank``, ``step``, ``phase``, ``host`` (its hostname),
+       ``pid`` and ``seconds``, then waits, without calling MPI, for ``done.R.STEP.PHASE``.
+    3. The harness applies the fault to that host, then writes the ``done`` file. A rank
+       that was killed or frozen never sees it; a partitioned or flapping host's rank sees
+       it and goes on into the cut, so the fault lands exactly at the chosen point.
+    4. No ``done`` within :data:`HOST_FAULT_ACK_S` seconds, or no :data:`ENV_HOST_FAULTS`
+       at all, is an error naming the variable: the schedule asked for a fault nobody applies.
+
+    The wait is short (the harness polls every 50 ms), far below Open MPI's heartbeat
+    timeout, so the waiting rank itself is never taken for dead.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Iterable, Mapping
@@ -48,7 +74,15 @@ PHASES = (
 )
 EVALUATION_PHASES = ("validation", "test", "predict")
 COLLECTIVE_PHASES = ("collective", "collective_done")
-KINDS = ("kill", "hang", "stuck", "corrupt")
+#: Host-level kinds: applied by a harness outside the job (module docstring).
+HOST_KINDS = ("host_ranks_kill", "host_kill", "host_freeze", "host_partition", "host_flap")
+KINDS = ("kill", "hang", "stuck", "corrupt", *HOST_KINDS)
+#: The directory a host-fault harness watches for requests (module docstring).
+ENV_HOST_FAULTS = "LIGHTNING_RECOVER_HOST_FAULTS"
+#: How long a rank waits for the harness to confirm a host fault it asked for.
+HOST_FAULT_ACK_S = 30.0
+#: How long a ``host_flap`` keeps the link down unless its entry says ``seconds``.
+FLAP_DEFAULT_S = 3.0
 #: What ``kind: corrupt`` flips a bit of.
 TARGETS = ("params", "grads", "optimizer")
 _SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
@@ -63,6 +97,8 @@ class FaultSpec:
     microbatch: int | None = None
     bucket: int | None = None
     target: str | None = None
+    #: ``host_flap`` only: how long the link stays down.
+    seconds: float | None = None
 
     @classmethod
     def parse(cls, entry: Mapping[str, Any] | FaultSpec, index: int = 0) -> FaultSpec:
@@ -70,10 +106,11 @@ class FaultSpec:
             return entry
         if not isinstance(entry, Mapping):
             raise ValueError(f"fault.schedule[{index}] must be a mapping like {{step: 3, rank: 2, phase: backward, kind: kill}}, got {entry!r}")
-        unknown = set(entry) - {"step", "rank", "phase", "kind", "microbatch", "bucket", "target"}
+        unknown = set(entry) - {"step", "rank", "phase", "kind", "microbatch", "bucket", "target", "seconds"}
         if unknown:
             raise ValueError(
-                f"fault.schedule[{index}] has unknown keys {sorted(unknown)}; allowed: step, rank, phase, kind, microbatch, bucket, target"
+                f"fault.schedule[{index}] has unknown keys {sorted(unknown)}; "
+                "allowed: step, rank, phase, kind, microbatch, bucket, target, seconds"
             )
         for key in ("step", "rank", "phase"):
             if key not in entry:
@@ -95,6 +132,19 @@ class FaultSpec:
                 raise ValueError(f"fault.schedule[{index}].target={target!r} is not one of {TARGETS}")
         elif target is not None:
             raise ValueError(f"fault.schedule[{index}].target={target!r} applies only to kind=corrupt (this entry is kind={kind})")
+        seconds = entry.get("seconds")
+        if kind == "host_flap":
+            seconds = FLAP_DEFAULT_S if seconds is None else seconds
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 600:
+                raise ValueError(f"fault.schedule[{index}].seconds={seconds!r} must be a number of seconds in (0, 600) (how long the link stays down)")
+            seconds = float(seconds)
+        elif seconds is not None:
+            raise ValueError(f"fault.schedule[{index}].seconds={seconds!r} applies only to kind=host_flap (this entry is kind={kind})")
+        if kind in HOST_KINDS and phase in ("join_startup", "join_ready", "join_transfer", "joined"):
+            raise ValueError(
+                f"fault.schedule[{index}]: kind={kind} at phase={phase} is not supported (a re-join attempt runs on a spare "
+                "host the harness does not pick); use forward, backward, reduce, optimizer or another training phase"
+            )
         ints = {}
         for key in ("step", "rank", "microbatch", "bucket"):
             v = entry.get(key)
@@ -104,7 +154,7 @@ class FaultSpec:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"fault.schedule[{index}].{key}={v!r} must be a non-negative integer")
             ints[key] = v
-        return cls(ints["step"], ints["rank"], phase, kind, ints["microbatch"], ints["bucket"], target)  # type: ignore[arg-type]
+        return cls(ints["step"], ints["rank"], phase, kind, ints["microbatch"], ints["bucket"], target, seconds)  # type: ignore[arg-type]
 
 
 class FaultInjection(Callback):
@@ -137,6 +187,9 @@ class FaultInjection(Callback):
             if spec.kind == "corrupt":
                 self._corrupt(spec.target or "params")
                 continue
+            if spec.kind in HOST_KINDS:
+                request_host_fault(spec, rank)
+                continue
             if spec.kind == "stuck":
                 _spin_forever()
             os.kill(os.getpid(), _SIGNALS[spec.kind])
@@ -160,6 +213,39 @@ class FaultInjection(Callback):
         local = t.to_local() if hasattr(t, "to_local") else t
         words = local.view(-1).view(torch.int32) if local.element_size() == 4 else local.view(-1).view(torch.int16)
         words[0] ^= 1 << (20 if local.element_size() == 4 else 10)
+
+
+def host_fault_name(rank: int, step: int, phase: str) -> str:
+    """The ``R.STEP.PHASE`` part of a host fault's request and done file names."""
+    return f"{rank}.{step}.{phase}"
+
+
+def request_host_fault(spec: FaultSpec, rank: int) -> None:
+    """Ask the harness named by :data:`ENV_HOST_FAULTS` to apply ``spec`` to this rank's host, and
+    wait until it says it did (module docstring). Returns only for faults the rank outlives."""
+    where = os.environ.get(ENV_HOST_FAULTS)
+    if not where:
+        raise RuntimeError(
+            f"fault kind={spec.kind} (rank {rank}, step {spec.step}, {spec.phase}) needs a harness outside the job to apply it: "
+            f"set {ENV_HOST_FAULTS} to the directory the harness watches (benchmarks/chaos.py --hosts N does), "
+            "or use a rank-level kind (kill, hang, stuck)"
+        )
+    name = host_fault_name(rank, spec.step, spec.phase)
+    request = {"kind": spec.kind, "rank": rank, "step": spec.step, "phase": spec.phase, "host": socket.gethostname(),
+               "pid": os.getpid(), "seconds": spec.seconds}
+    tmp = os.path.join(where, f".request.{name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(request, f)
+    os.replace(tmp, os.path.join(where, f"request.{name}.json"))  # the harness never reads a half-written request
+    done = os.path.join(where, f"done.{name}")
+    deadline = time.monotonic() + HOST_FAULT_ACK_S
+    while not os.path.exists(done):
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"fault kind={spec.kind} (rank {rank}, step {spec.step}, {spec.phase}): no harness confirmed it within "
+                f"{HOST_FAULT_ACK_S:g} s ({done} never appeared); is a harness watching {ENV_HOST_FAULTS}={where}?"
+            )
+        time.sleep(0.01)
 
 
 def _spin_forever() -> None:

@@ -482,11 +482,15 @@ class FakeCluster:
         """Run ``argv`` inside ``host`` and wait for it."""
         return _run(self.enter_argv(host) + list(argv), check=check, timeout=timeout)
 
-    def mpi_args(self, *, map_by: str | None = None, slots: int | None = None) -> list[str]:
-        """mpiexec arguments that place the job on the hosts (``slots`` per host) over the private network only."""
+    def mpi_args(self, *, map_by: str | None = None, slots: int | None = None, hosts: int | None = None) -> list[str]:
+        """mpiexec arguments that place the job on the hosts (``slots`` per host; the first ``hosts`` hosts, default
+        all) over the private network only."""
         per_host = slots if slots is not None else self.slots
+        used = self.hosts if hosts is None else self.hosts[:hosts]
+        if hosts is not None and not 1 <= hosts <= len(self.hosts):
+            raise ValueError(f"hosts={hosts} must be 1..{len(self.hosts)} (this cluster has {len(self.hosts)} hosts)")
         args = [
-            "--host", ",".join(f"{h.name}:{per_host}" for h in self.hosts),
+            "--host", ",".join(f"{h.name}:{per_host}" for h in used),
             "--prtemca", "plm_ssh_agent", str(self.agent),
             # mpiexec starts every daemon itself (no daemon-to-daemon tree): the agent lives on the head host only.
             "--prtemca", "plm_ssh_no_tree_spawn", "1",
@@ -511,20 +515,24 @@ class FakeCluster:
         extra: Sequence[str] = (),
         cwd: str | os.PathLike[str] | None = None,
         launcher_options: Sequence[str] = (),
+        slots: int | None = None,
+        hosts: int | None = None,
     ) -> list[str]:
         """``python -m lightning_recover.cli launch -n N ... -- COMMAND`` run on the head host, placing ranks on all hosts.
 
         ``launcher_options``: more options of ``lightning-recover launch`` (``--status-dir D``, ``--supervise`` ...).
 
         ``map_by``: Open MPI's ``--map-by`` (``node``: rank r on host r % n_hosts, so a
-        replica of consecutive ranks spans hosts; default: fill each host's slots in turn)."""
+        replica of consecutive ranks spans hosts; default: fill each host's slots in turn).
+        ``slots``: MPI slots per host for this job (default: the cluster's); ``hosts``: use
+        only the first ``hosts`` hosts (default: all), so one cluster serves jobs of several shapes."""
         launch = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(nprocs)]
         if hang_timeout is not None:
             launch += ["--hang-timeout", f"{hang_timeout:g}"]
         if mpi_detector:
             launch.append("--mpi-detector")
         # "--mpi-arg=VALUE": VALUE itself starts with dashes, which argparse would take for an option otherwise.
-        launch += [*launcher_options, *(f"--mpi-arg={a}" for a in [*self.mpi_args(map_by=map_by), *extra])]
+        launch += [*launcher_options, *(f"--mpi-arg={a}" for a in [*self.mpi_args(map_by=map_by, slots=slots, hosts=hosts), *extra])]
         return self.enter_argv(self.head, cwd) + launch + ["--", *command]
 
     def launch(
