@@ -185,7 +185,7 @@ def launch(job_args: list[str], outdir: Path, timeout: float, *, ft: bool = True
     (outdir / "job.log").write_text(log or "")
     return {"rc": proc.returncode, "timed_out": timed_out, "wall_s": wall, "t0": t0, "job_cpu_s": cpu1 - cpu0,
             "foreign_cores": foreign, "log_tail": (log or "")[-3000:],
-            "leftovers": [e for e in leftovers if int(e.split()[0]) != proc.pid]}
+            "leftovers": leftovers}
 
 
 def read_clock(path: Path) -> dict | None:

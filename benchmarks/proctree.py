@@ -156,9 +156,9 @@ class ProcessTree:
     def end(self, grace_s: float = 10.0) -> list[str]:
         """SIGKILL every live process of the tree (by pid), wait until gone; report any it had to end.
 
-        Returns ``"pid name"`` of each process that was still alive; prints one line naming
-        them when there were any besides a root that was still running (a timeout or an
-        exception ends the root on purpose; a rank outliving its launcher is a leftover).
+        Returns ``"pid name"`` of each process besides the root that was still alive (a
+        timeout, an exception or a server that never exits by itself ends the root on
+        purpose; a rank outliving its launcher is a leftover) and prints one line naming them.
         """
         self.poll()
         root_running = self.proc.poll() is None
@@ -193,7 +193,7 @@ class ProcessTree:
             print(f"[cleanup] {self.label}: WARNING {len(pending)} process(es) survived SIGKILL for {grace_s:.0f} s "
                   f"(uninterruptible?): {', '.join(f'{p} {n}' for p, n in pending.items())}", file=sys.stderr, flush=True)
         self.ended += others
-        return ended
+        return others
 
 
 def read_env(pid: int) -> dict[str, str]:
