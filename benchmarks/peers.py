@@ -147,6 +147,10 @@ class Run:
     kills: list[dict] = field(default_factory=list)  # {"step", "replica", "t", "pid"}
     notes: list[str] = field(default_factory=list)
     leftovers: list[str] = field(default_factory=list)
+    split_brain_steps: int = 0
+    #: Per kill, (commit gap around it, kill -> capacity back), for a system whose step numbers
+    #: repeat after a restart (checkpoint-restart): the step-number rule of metrics() does not apply.
+    kill_gaps: list[tuple[float, float]] | None = None
     log_tail: str = ""
 
 
@@ -387,22 +391,31 @@ def run_torchft(args: argparse.Namespace, name: str, outdir: Path, *, heartbeat_
         lines += tail.read()
     run.kills = killer.fired
     by_step: dict[int, list[dict]] = {}
-    mismatched: list[int] = []  # steps committed by more groups than their quorum had: separate quorums
     for d in lines:
         if d["committed"]:
             by_step.setdefault(d["step"], []).append(d)
+    split: list[int] = []  # steps committed by two quorums at once (a split brain)
     for s, ds in sorted(by_step.items()):
-        part = [d for d in ds if d["participating"]]
+        # One quorum's lines of a step share its participant count (healing groups included,
+        # not counted, not participating). Lines with another count, or more participating
+        # groups than the count, come from a second quorum training its own copy: the step
+        # is the largest quorum's, and the split is reported.
+        quorums: dict[int, list[dict]] = {}
+        for d in ds:
+            quorums.setdefault(d["participants"], []).append(d)
+        main = quorums[max(quorums)]
+        part = [d for d in main if d["participating"]]
+        if len(quorums) > 1 or len(part) > max(quorums):
+            split.append(s)
         if not part:
             continue
-        run.steps[s] = Step(t=max(d["t"] for d in ds), loss=statistics.fmean(d["loss"] for d in part),
+        run.steps[s] = Step(t=max(d["t"] for d in main), loss=statistics.fmean(d["loss"] for d in part),
                             batch=len(part) * args.grad_accum, contributors=len(part),
                             indices=[i for d in part for i in d["indices"]])
-        if len({d["replica"] for d in ds}) > max(d["participants"] for d in ds):
-            mismatched.append(s)  # more groups committed step s than any quorum held: separate quorums
-    if mismatched:
-        run.notes.append(f"SPLIT BRAIN: {len(mismatched)} step(s) (first {mismatched[0]}) committed by more groups than "
-                         "their quorum held")
+    run.split_brain_steps = len(split)
+    if split:
+        run.notes.append(f"SPLIT BRAIN: {len(split)} step(s) (first {split[0]}) were also committed by a second quorum "
+                         "(a restarted group training alone); the largest quorum's steps are kept")
     run.notes.append(f"{sum(1 for d in lines if not d['committed'])} step attempt(s) discarded (should_commit false)")
     run.ok = all(rc == 0 for rc in rcs) and len(run.steps) >= args.steps and not killer.pending
     if killer.pending:
@@ -426,8 +439,17 @@ def run_checkpoint_restart(args: argparse.Namespace, name: str, outdir: Path, ki
     run.leftovers = [x for a in rec["attempts"] for x in a.get("leftovers", [])]
     run.kills = [{"step": k["step"], "replica": k["rank"], "t": k["t"]} for k in rec["kills_fired"]]
     last: dict[int, dict] = {}
-    for d in goodput.read_jsonl(outdir / "loss.jsonl"):
+    events = goodput.read_jsonl(outdir / "loss.jsonl")
+    for d in events:
         last[d["step"]] = d  # a step computed again after a restart: the value that stayed
+    run.kill_gaps = []
+    for k in run.kills:
+        # Restart gap: the last step logged before the kill to the first one logged after it
+        # (the relaunch's first step, which redoes steps since the checkpoint).
+        before = [d["t"] for d in events if d["t"] <= k["t"]]
+        after = [d["t"] for d in events if d["t"] > k["t"]]
+        if before and after:
+            run.kill_gaps.append((after[0] - before[-1], after[0] - k["t"]))
     B = REPLICAS * args.grad_accum
     for s, d in sorted(last.items()):
         run.steps[s] = Step(t=d["t"], loss=d["loss"], batch=B, contributors=REPLICAS,
@@ -441,7 +463,8 @@ def run_checkpoint_restart(args: argparse.Namespace, name: str, outdir: Path, ki
 def metrics(run: Run, ref: Run | None, mbs: int) -> dict:
     """The printed figures of one run (pure: tests call it)."""
     steps = sorted(run.steps)
-    out: dict = {"name": run.name, "ok": run.ok, "wall_s": run.wall_s, "steps": len(steps)}
+    out: dict = {"name": run.name, "ok": run.ok, "wall_s": run.wall_s, "steps": len(steps),
+                 "split_brain_steps": run.split_brain_steps}
     if not steps:
         return out
     S = run.steps
@@ -457,17 +480,23 @@ def metrics(run: Run, ref: Run | None, mbs: int) -> dict:
     step_s = statistics.median(ref_iv) if ref_iv else statistics.median(b - a for a, b in zip(ts, ts[1:]))
     out["median_step_s"] = step_s
     pauses, back = [], []
-    for k in run.kills:
-        before = [s for s in steps if S[s].t <= k["t"]]
-        after = [s for s in steps if S[s].t > k["t"]]
-        if not before or not after:
+    for i, k in enumerate(run.kills):
+        if run.kill_gaps is not None:
+            gap, cap = run.kill_gaps[i]
+            pauses.append(gap - step_s)
+            back.append(cap)
+            continue
+        # The kill lands in step k (fired once step k-1 was logged): the pause is the commit gap
+        # k-1 -> k beyond a normal step; capacity is back at the first commit from step k on with
+        # as many contributing replicas as step k-1 had.
+        if k["step"] - 1 not in S or k["step"] not in S:
             pauses.append(None)
             back.append(None)
             continue
-        pauses.append(S[after[0]].t - S[before[-1]].t - step_s)
-        need = S[before[-1]].contributors
-        again = next((s for s in after if S[s].contributors >= need), None)
-        back.append(S[again].t - k["t"] if again is not None else None)
+        pauses.append(S[k["step"]].t - S[k["step"] - 1].t - step_s)
+        need = S[k["step"] - 1].contributors
+        again = next((s for s in steps if s >= k["step"] and S[s].contributors >= need), None)
+        back.append(max(0.0, S[again].t - k["t"]) if again is not None else None)
     out["pause_s"], out["capacity_back_s"] = pauses, back
     if ref and ref.steps:
         common = [s for s in steps if s in ref.steps]
@@ -542,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
           "the kill minus the median fault-free step; capacity back: kill -> first commit with as many contributing "
           "replicas as before; lost/repeated: sample indices vs the system's own fault-free run")
     for n, r in runs.items():
+        if r.split_brain_steps:
+            print(f"split brain: {n}: {r.split_brain_steps} step(s) also committed by a second quorum (not counted above)")
         if r.leftovers:
             print(f"cleanup: {n} left {len(r.leftovers)} process(es) that had to be ended: {', '.join(r.leftovers)}")
 
