@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proctree import ProcessTree, become_subreaper, read_env  # noqa: E402
+from proctree import ProcessTree, _cmdline, become_subreaper, read_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "benchmarks" / "bench_job.py"
@@ -296,10 +296,7 @@ def run_recover(args: argparse.Namespace, name: str, outdir: Path, *, rejoin: bo
 
 
 def _cmdline_has(pid: int, needle: str) -> bool:
-    try:
-        return needle in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
+    return needle in _cmdline(pid)
 
 
 def _read_json(path: Path) -> dict | None:

@@ -68,6 +68,14 @@ def _all_pids() -> list[int]:
     return [int(e) for e in os.listdir("/proc") if e.isdigit()]
 
 
+def _cmdline(pid: int) -> str:
+    """``pid``'s command line, arguments joined by spaces ("" once it is gone or a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def _alive(pid: int, start: int | None) -> bool:
     """True while ``pid`` is the same process (same start time) and not a zombie."""
     st = _stat(pid)
