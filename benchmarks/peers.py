@@ -148,6 +148,7 @@ class Run:
     notes: list[str] = field(default_factory=list)
     leftovers: list[str] = field(default_factory=list)
     split_brain_steps: int = 0
+    foreign_cores: float | None = None  # other work on the machine during the run (cores)
     #: Per kill, (commit gap around it, kill -> capacity back), for a system whose step numbers
     #: repeat after a restart (checkpoint-restart): the step-number rule of metrics() does not apply.
     kill_gaps: list[tuple[float, float]] | None = None
@@ -461,7 +462,7 @@ def metrics(run: Run, ref: Run | None, mbs: int) -> dict:
     """The printed figures of one run (pure: tests call it)."""
     steps = sorted(run.steps)
     out: dict = {"name": run.name, "ok": run.ok, "wall_s": run.wall_s, "steps": len(steps),
-                 "split_brain_steps": run.split_brain_steps}
+                 "split_brain_steps": run.split_brain_steps, "foreign_cores": run.foreign_cores}
     if not steps:
         return out
     S = run.steps
@@ -513,7 +514,7 @@ def fmt_list(xs: list, spec: str = ".2f", none: str = "never") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from overhead import wait_quiet
+    from overhead import _children_cpu, _proc_stat, wait_quiet
 
     work = Path(tempfile.mkdtemp(prefix="lr-peers-"))
     B = REPLICAS * args.grad_accum
@@ -528,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         waited, _ = wait_quiet(args.quiet_wait)
         print(f"  {name} ...", flush=True)
         outdir = work / name
+        stat0, cpu0, t0 = _proc_stat(), _children_cpu(), time.time()
         if name.startswith("recover"):
             run = run_recover(args, name, outdir, rejoin=name == "recover-rejoin", kills=kills, indices=indices)
         elif name.startswith("torchft"):
@@ -536,6 +538,11 @@ def main(argv: list[str] | None = None) -> int:
             run.notes.append(f"lighthouse heartbeat timeout {hb} ms")
         else:
             run = run_checkpoint_restart(args, name, outdir, kills, indices)
+        stat1, cpu1 = _proc_stat(), _children_cpu()
+        if stat0 is not None and stat1 is not None:
+            # Cores other work used meanwhile: all busy CPU time minus this run's own, over its wall time.
+            run.foreign_cores = max(0.0, ((stat1[1] - stat0[1]) / os.sysconf("SC_CLK_TCK") - (cpu1 - cpu0))
+                                    / max(time.time() - t0, 1e-9))
         runs[name] = run
         print(f"  {name}: {'ok' if run.ok else 'FAILED'}, {run.wall_s:.1f} s wall, {len(run.steps)} steps; "
               f"{'; '.join(run.notes)}", flush=True)
@@ -552,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{REPLICAS} replicas x 1 rank on {os.cpu_count()} cores, model {args.size}, {args.steps} steps, B = {B} x {args.mbs} "
           f"samples; benchmark took {total:.0f} s")
     hdr = (f"{'system':15s} {'wall s':>7s} {'committed':>9s} {'samples/s':>9s} {'pause/kill s':>13s} {'capacity back s':>16s} "
-           f"{'max|dloss|':>10s} {'batch min/mean':>14s} {'lost':>5s} {'repeated':>8s}")
+           f"{'max|dloss|':>10s} {'batch min/mean':>14s} {'lost':>5s} {'repeated':>8s} {'others':>6s}")
     print(hdr)
     print("-" * len(hdr))
     for n, m in table.items():
@@ -563,10 +570,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n:15s} {m['wall_s']:7.1f} {m['committed_samples']:9d} {m['throughput']:9.1f} "
               f"{fmt_list(m['pause_s']):>13s} {fmt_list(m['capacity_back_s'], '.1f'):>16s} "
               f"{('%.1e' % md) if md is not None else '-':>10s} {m['batch_min']:>5d}/{m['batch_mean']:<8.2f} "
-              f"{m.get('samples_lost', '-')!s:>5s} {m.get('samples_repeated', '-')!s:>8s}")
+              f"{m.get('samples_lost', '-')!s:>5s} {m.get('samples_repeated', '-')!s:>8s} "
+              f"{m['foreign_cores'] if m['foreign_cores'] is not None else float('nan'):6.2f}")
     print("samples/s: committed samples of steps 1..N-1 / time from step 0's commit to the last; pause: commit gap around "
           "the kill minus the median fault-free step; capacity back: kill -> first commit with as many contributing "
-          "replicas as before; lost/repeated: sample indices vs the system's own fault-free run")
+          "replicas as before; lost/repeated: sample indices vs the system's own fault-free run; others: cores other "
+          "work on the (shared) machine used during the run")
     for n, r in runs.items():
         if r.split_brain_steps:
             print(f"split brain: {n}: {r.split_brain_steps} step(s) also committed by a second quorum (not counted above)")
