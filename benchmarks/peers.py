@@ -13,9 +13,11 @@ for ``--steps`` committed optimizer steps, and loses the same replicas at the sa
   job (``benchmarks/bench_job.py --system recover``), without and with hot re-join.
 * ``torchft`` / ``torchft-<ms>``: torchft as its README and ``train_ddp.py`` run it: the Rust
   ``torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000``
-  (``--heartbeat_timeout_ms``: its default 5000, and ``--torchft-heartbeat-ms``, default
-  1000, its best setting here), one ``torchrun --max-restarts 10`` per replica group, our
-  trainer ``benchmarks/peers_torchft_worker.py`` (Manager, ProcessGroupGloo(5 s),
+  (``--heartbeat_timeout_ms``: its default 5000 with ProcessGroupGloo(5 s); and for
+  ``torchft-low`` ``--torchft-heartbeat-ms``, default 1000, with ``--torchft-low-pg-timeout``,
+  default 1 s: a survivor blocked in an all-reduce with the dead group waits for the gloo
+  timeout whatever the heartbeat says, so both must drop), one ``torchrun --max-restarts 10`` per replica group, our
+  trainer ``benchmarks/peers_torchft_worker.py`` (Manager, ProcessGroupGloo,
   PGTransport healing, torchft's DDP, optimizer wrapper and DistributedSampler).
 * ``cr``: Lightning DDP checkpoint-restart (``goodput.run_cr``, reused as it is: a
   ModelCheckpoint every ``--cr-every`` steps, a relaunch of all 4 ranks per death; its
@@ -88,6 +90,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--systems", nargs="+", default=list(ALL_SYSTEMS), choices=ALL_SYSTEMS)
     p.add_argument("--torchft-heartbeat-ms", type=int, default=1000,
                    help="torchft-low: the lighthouse's --heartbeat_timeout_ms (torchft's default is 5000)")
+    p.add_argument("--torchft-low-pg-timeout", type=float, default=1.0,
+                   help="torchft-low: ProcessGroupGloo timeout, s (5 s otherwise): a survivor whose all-reduce waits "
+                        "on the dead group is held this long whatever the heartbeat says")
     p.add_argument("--cr-every", type=int, default=10, help="cr: checkpoint every N steps")
     p.add_argument("--timeout", type=float, default=900, help="hard limit per system run, seconds")
     p.add_argument("--quiet-wait", type=float, default=5.0,
@@ -314,7 +319,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torchft(args: argparse.Namespace, name: str, outdir: Path, *, heartbeat_ms: int, kills: list[tuple[int, int]]) -> Run:
+def run_torchft(args: argparse.Namespace, name: str, outdir: Path, *, heartbeat_ms: int, pg_timeout: float,
+                kills: list[tuple[int, int]]) -> Run:
     outdir.mkdir(parents=True, exist_ok=True)
     run = Run(name)
     port = _free_port()
@@ -337,7 +343,8 @@ def run_torchft(args: argparse.Namespace, name: str, outdir: Path, *, heartbeat_
             trees.append(ProcessTree(
                 ["torchrun", "--standalone", "--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "10",
                  str(WORKER), "--steps", str(args.steps), "--grad-accum", str(args.grad_accum), "--mbs", str(args.mbs),
-                 "--size", args.size, "--seed", str(SEED), "--corpus-bytes", str(CORPUS_BYTES), "--out", str(outdir)],
+                 "--size", args.size, "--seed", str(SEED), "--corpus-bytes", str(CORPUS_BYTES),
+                 "--pg-timeout", str(pg_timeout), "--out", str(outdir)],
                 f"{name} group {g}", env=genv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
         groups = trees[1:]
         tails = [JsonlTail(outdir / f"progress.{g}.jsonl") for g in range(REPLICAS)]
@@ -361,12 +368,19 @@ def run_torchft(args: argparse.Namespace, name: str, outdir: Path, *, heartbeat_
             rcs = [t.poll() if scan else t.proc.poll() for t in groups]
             for tail in tails:
                 lines += tail.read()
-            committed = [d["step"] for d in lines if d["committed"]]
-            if committed:
-                killer.check(max(committed))
+            # Progress = the step every group never killed has logged as committed: the victim has
+            # logged step k-1 before it dies in step k, and a restarted group training alone in a
+            # quorum of its own (split brain) never paces the kills.
+            killed = {k["replica"] for k in killer.fired}
+            done: dict[int, int] = {}
+            for d in lines:
+                if d["committed"] and d["replica"] not in killed:
+                    done[d["replica"]] = max(done.get(d["replica"], -1), d["step"])
+            if len(done) == REPLICAS - len(killed):
+                killer.check(min(done.values()))
             if all(rc is not None for rc in rcs):
                 break
-            if committed and max(committed) >= args.steps - 1 and finished_at is None:
+            if done and max(done.values()) >= args.steps - 1 and finished_at is None:
                 finished_at = now
             # A group restarted near the end can form a quorum of its own and train alone (a
             # split brain seen here once): once the run is complete, stragglers get 30 s.
@@ -393,6 +407,7 @@ def run_torchft(args: argparse.Namespace, name: str, outdir: Path, *, heartbeat_
         if d["committed"]:
             by_step.setdefault(d["step"], []).append(d)
     split: list[int] = []  # steps committed by two quorums at once (a split brain)
+    split_groups: set[int] = set()
     for s, ds in sorted(by_step.items()):
         # One quorum's lines of a step share its participant count (healing groups included,
         # not counted, not participating). Lines with another count, or more participating
@@ -405,6 +420,7 @@ def run_torchft(args: argparse.Namespace, name: str, outdir: Path, *, heartbeat_
         part = [d for d in main if d["participating"]]
         if len(quorums) > 1 or len(part) > max(quorums):
             split.append(s)
+            split_groups.update(d["replica"] for p, q in quorums.items() if p != max(quorums) for d in q)
         if not part:
             continue
         run.steps[s] = Step(t=max(d["t"] for d in main), loss=statistics.fmean(d["loss"] for d in part),
@@ -412,8 +428,8 @@ def run_torchft(args: argparse.Namespace, name: str, outdir: Path, *, heartbeat_
                             indices=[i for d in part for i in d["indices"]])
     run.split_brain_steps = len(split)
     if split:
-        run.notes.append(f"SPLIT BRAIN: {len(split)} step(s) (first {split[0]}) were also committed by a second quorum "
-                         "(a restarted group training alone); the largest quorum's steps are kept")
+        run.notes.append(f"SPLIT BRAIN: {len(split)} step number(s) (first {split[0]}) were also committed by a second "
+                         f"quorum (groups {sorted(split_groups)}, training their own copy); the largest quorum's steps are kept")
     run.notes.append(f"{sum(1 for d in lines if not d['committed'])} step attempt(s) discarded (should_commit false)")
     run.ok = all(rc == 0 for rc in rcs) and len(run.steps) >= args.steps and not killer.pending
     if killer.pending:
@@ -484,16 +500,22 @@ def metrics(run: Run, ref: Run | None, mbs: int) -> dict:
             pauses.append(gap - step_s)
             back.append(cap)
             continue
-        # The kill lands in step k (fired once step k-1 was logged): the pause is the commit gap
-        # k-1 -> k beyond a normal step; capacity is back at the first commit from step k on with
-        # as many contributing replicas as step k-1 had.
-        if k["step"] - 1 not in S or k["step"] not in S:
-            pauses.append(None)
-            back.append(None)
+        # The kill lands in step k (fired once step k-1 was logged everywhere; a torchft group
+        # running a step ahead of the others takes it in step k+1): the pause is the longest
+        # commit gap from step k-1 to k+2 beyond a normal step. Capacity: "need" is the most
+        # contributing replicas of the few steps before (a victim that died before logging
+        # step k-1 still counts); it is back at the first commit with that many again after
+        # the first one with fewer (0 if it never dropped; None if it never came back).
+        k0 = k["step"]
+        window = [s for s in range(k0 - 1, k0 + 3) if s in S]
+        gaps = [S[b].t - S[a].t for a, b in zip(window, window[1:]) if b == a + 1]
+        pauses.append(max(gaps) - step_s if gaps else None)
+        need = max((S[s].contributors for s in range(k0 - 3, k0) if s in S), default=0)
+        dip = next((s for s in steps if k0 <= s <= k0 + 5 and S[s].contributors < need), None)
+        if dip is None:
+            back.append(0.0)
             continue
-        pauses.append(S[k["step"]].t - S[k["step"] - 1].t - step_s)
-        need = S[k["step"] - 1].contributors
-        again = next((s for s in steps if s >= k["step"] and S[s].contributors >= need), None)
+        again = next((s for s in steps if s > dip and S[s].contributors >= need), None)
         back.append(max(0.0, S[again].t - k["t"]) if again is not None else None)
     out["pause_s"], out["capacity_back_s"] = pauses, back
     if ref and ref.steps:
@@ -533,9 +555,11 @@ def main(argv: list[str] | None = None) -> int:
         if name.startswith("recover"):
             run = run_recover(args, name, outdir, rejoin=name == "recover-rejoin", kills=kills, indices=indices)
         elif name.startswith("torchft"):
-            hb = args.torchft_heartbeat_ms if name == "torchft-low" else 5000
-            run = run_torchft(args, name, outdir, heartbeat_ms=hb, kills=kills)
-            run.notes.append(f"lighthouse heartbeat timeout {hb} ms")
+            low = name == "torchft-low"
+            hb = args.torchft_heartbeat_ms if low else 5000
+            pgt = args.torchft_low_pg_timeout if low else 5.0
+            run = run_torchft(args, name, outdir, heartbeat_ms=hb, pg_timeout=pgt, kills=kills)
+            run.notes.append(f"lighthouse heartbeat timeout {hb} ms, ProcessGroupGloo timeout {pgt:g} s")
         else:
             run = run_checkpoint_restart(args, name, outdir, kills, indices)
         stat1, cpu1 = _proc_stat(), _children_cpu()
@@ -605,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
             extra = f" (without re-join {table['recover']['throughput'] / peer['throughput']:.2f}x)"
         low = table.get("torchft-low")
         if low and low.get("throughput"):
-            extra += f"; vs torchft at {args.torchft_heartbeat_ms} ms heartbeat {ours['throughput'] / low['throughput']:.2f}x"
+            extra += (f"; vs torchft at {args.torchft_heartbeat_ms} ms heartbeat, {args.torchft_low_pg_timeout:g} s gloo timeout "
+                      f"{ours['throughput'] / low['throughput']:.2f}x")
         print(f"ReCoVer / torchft effective throughput: {ours['throughput'] / peer['throughput']:.2f}x{extra}; "
               f"max |dloss| vs own fault-free run: ReCoVer {ours.get('max_dloss', float('nan')):.1e}, "
               f"torchft {peer.get('max_dloss', float('nan')):.1e}")
