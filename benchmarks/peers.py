@@ -406,21 +406,23 @@ def run_torchft(args: argparse.Namespace, name: str, outdir: Path, *, heartbeat_
     for d in lines:
         if d["committed"]:
             by_step.setdefault(d["step"], []).append(d)
+    killed = {k["replica"] for k in killer.fired}
     split: list[int] = []  # steps committed by two quorums at once (a split brain)
     split_groups: set[int] = set()
     for s, ds in sorted(by_step.items()):
-        # One quorum's lines of a step share its participant count (healing groups included,
-        # not counted, not participating). Lines with another count, or more participating
-        # groups than the count, come from a second quorum training its own copy: the step
-        # is the largest quorum's, and the split is reported.
-        quorums: dict[int, list[dict]] = {}
+        # One quorum's lines of a step share its lighthouse quorum id (healing groups included:
+        # not counted in participants, not participating). Lines of another id come from a
+        # second quorum training its own copy: the step is the largest quorum's (on a tie, the
+        # one holding a group never killed), and the split is reported.
+        quorums: dict[object, list[dict]] = {}
         for d in ds:
-            quorums.setdefault(d["participants"], []).append(d)
-        main = quorums[max(quorums)]
+            quorums.setdefault(d.get("quorum_id", d["participants"]), []).append(d)
+        main_id = max(quorums, key=lambda q: (len(quorums[q]), any(d["replica"] not in killed for d in quorums[q])))
+        main = quorums[main_id]
         part = [d for d in main if d["participating"]]
-        if len(quorums) > 1 or len(part) > max(quorums):
+        if len(quorums) > 1:
             split.append(s)
-            split_groups.update(d["replica"] for p, q in quorums.items() if p != max(quorums) for d in q)
+            split_groups.update(d["replica"] for q, ds_q in quorums.items() if q != main_id for d in ds_q)
         if not part:
             continue
         run.steps[s] = Step(t=max(d["t"] for d in main), loss=statistics.fmean(d["loss"] for d in part),

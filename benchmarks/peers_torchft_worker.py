@@ -19,7 +19,8 @@ Environment (set by the driver): ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``,
 
 Outputs in ``--out``: ``progress.<group>.jsonl``, one line per step attempt of this group
 (``committed`` true/false, the manager's ``step`` it committed, the group's mean microbatch
-loss, ``participants`` in the quorum, ``participating`` (false while healing), the sample
+loss, ``participants`` in the quorum, ``participating`` (false while healing), the
+lighthouse's ``quorum_id``, the sample
 ``indices`` of its microbatches, wall time ``t``); ``pid.<group>`` (this process's pid, for
 the driver's SIGKILL: rewritten by every restart).
 """
@@ -151,13 +152,17 @@ def main(argv: list[str] | None = None) -> None:
             indices += [int(i) for i in idx]
         participants = manager.num_participants()
         participating = manager.is_participating()
+        # The lighthouse's id of the quorum this step ran in (private, no public accessor): two
+        # quorums training side by side (a split brain) can have the same size, never the same id.
+        quorum_id = getattr(manager, "_quorum_id", None)
         step = manager.current_step()
         optimizer.step()  # steps the inner optimizer only if should_commit() says the whole quorum succeeded
         committed = manager.current_step() > step
         if committed:
             sched.step()
         progress.write(json.dumps({"replica": group, "committed": committed, "step": step, "loss": sum(losses) / len(losses),
-                                   "participants": participants, "participating": participating, "indices": indices,
+                                   "participants": participants, "participating": participating, "quorum_id": quorum_id,
+                                   "indices": indices,
                                    "t": time.time()}) + "\n")
     progress.close()
     manager.shutdown(wait=False)
