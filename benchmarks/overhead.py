@@ -50,7 +50,6 @@ import os
 import platform
 import random
 import resource
-import signal
 import statistics
 import subprocess
 import sys

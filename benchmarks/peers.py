@@ -27,14 +27,16 @@ for ``--steps`` committed optimizer steps, and loses the same replicas at the sa
 
 Kills are real SIGKILLs sent by this driver, by pid, to the victim replica's training
 process, when the system's own progress log (ReCoVer's step ledger, torchft's per-step log)
-shows that the step before the kill step committed: the kill lands in the kill step.
+shows that the step before the kill step committed (torchft: logged by every group not
+killed yet): the kill lands in the kill step. A torchft group restarted by torchrun that
+forms a quorum of its own (a split brain) is reported; the largest quorum's steps count.
 
 Printed per system: wall time (launch to the last process's exit, start-up included),
 committed samples, effective throughput (committed samples of steps 1..N-1 / time from
-step 0's commit to the last commit), pause per kill (the gap between the commits around
-the kill minus the median fault-free step interval), time until capacity is back (from
-the kill to the first commit with as many contributing replicas as before it; "never"
-without re-join), max |loss - own fault-free loss| per step, batch per step in
+step 0's commit to the last commit), pause per kill (the longest commit gap from the step
+before the kill to two after it, minus the median fault-free step interval), time until
+capacity is back (from the kill to the first commit with as many contributing replicas as
+before it, after the drop; "never": not within the run), max |loss - own fault-free loss| per step, batch per step in
 microbatches (min/mean), and samples lost or repeated, from the sample indices each
 system consumed in its committed steps (ReCoVer: the ledger's committed microbatch ids
 through the project's MicrobatchPlanner, the mapping its data loader uses; torchft: the
