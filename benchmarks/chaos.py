@@ -807,6 +807,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["job"]:
         job(argv[1])
         return 0
+    # The driver (never a launched rank): orphans of a run re-parent to it instead of pid 1;
+    # run_supervised ends each run's ranks by pid (mpiexec gives each its own process group).
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from proctree import become_subreaper
+
+    become_subreaper()
     ap = argparse.ArgumentParser(prog="python benchmarks/chaos.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)

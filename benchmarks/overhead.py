@@ -50,16 +50,18 @@ import os
 import platform
 import random
 import resource
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "benchmarks" / "bench_job.py"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proctree import ProcessTree, become_subreaper  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "overhead.json"
 LAYOUTS = {"2x2": 2, "4x1": 1}  # name -> shards (world is always 4 ranks)
 # Ablations of ReCoVer: bench_job.py arguments of the named variants.
@@ -139,7 +141,10 @@ def wait_quiet(max_wait: float, cores: float = 0.5) -> tuple[float, float | None
 
 
 def launch(job_args: list[str], outdir: Path, timeout: float, *, ft: bool = True, nprocs: int = 4) -> dict:
-    """Run one 4-rank job of bench_job.py under a hard timeout; kill its process group on expiry.
+    """Run one 4-rank job of bench_job.py under a hard timeout, then end its whole process tree.
+
+    Every process the launch started is gone when this returns (see ``proctree.py``); the
+    ones that outlived mpiexec or the timeout are printed and returned as ``leftovers``.
 
     ``ft=True``: ``lightning-recover launch`` (mpiexec --with-ft ulfm). ``ft=False``: plain
     ``mpiexec`` without fault tolerance, so one rank's death aborts the whole job.
@@ -157,20 +162,18 @@ def launch(job_args: list[str], outdir: Path, timeout: float, *, ft: bool = True
                 "PYTHONWARNINGS": "ignore"})
     stat0, cpu0 = _proc_stat(), _children_cpu()
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    timed_out = False
-    try:
-        log, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-    finally:
-        try:  # reap stragglers that outlived mpiexec
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    # ProcessTree: mpiexec's ranks sit in their own process groups, so ending mpiexec's group
+    # is not enough; the tree (session + every descendant seen) is ended by pid, also on
+    # exceptions, and any rank that outlived mpiexec is reported.
+    with ProcessTree(cmd, f"{outdir.name} job", cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as tree:
+        proc = tree.proc
+        chunks: list[bytes] = []
+        reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)  # type: ignore[union-attr]
+        reader.start()  # drains the pipe so the job never blocks on a full one while we poll
+        timed_out = tree.wait(timeout) is None
+        leftovers = tree.end()
+        reader.join(timeout=10)
+        log = b"".join(chunks).decode(errors="replace")
     wall = time.time() - t0
     stat1, cpu1 = _proc_stat(), _children_cpu()
     # CPU the rest of the machine used meanwhile, in cores: (all busy time - this job's CPU time) / wall.
@@ -180,7 +183,8 @@ def launch(job_args: list[str], outdir: Path, timeout: float, *, ft: bool = True
         foreign = max(0.0, ((stat1[1] - stat0[1]) / hz - (cpu1 - cpu0)) / max(wall, 1e-9))
     (outdir / "job.log").write_text(log or "")
     return {"rc": proc.returncode, "timed_out": timed_out, "wall_s": wall, "t0": t0, "job_cpu_s": cpu1 - cpu0,
-            "foreign_cores": foreign, "log_tail": (log or "")[-3000:]}
+            "foreign_cores": foreign, "log_tail": (log or "")[-3000:],
+            "leftovers": leftovers}
 
 
 def read_clock(path: Path) -> dict | None:
@@ -346,4 +350,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    become_subreaper()  # a launch's orphans re-parent to us, so its cleanup still finds them
     sys.exit(main())

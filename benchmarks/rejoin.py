@@ -29,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import launch, wait_quiet  # noqa: E402
+from proctree import become_subreaper  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "rejoin.json"
@@ -110,4 +111,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    become_subreaper()  # a launch's orphans re-parent to us, so its cleanup still finds them
     sys.exit(main())

@@ -203,11 +203,21 @@ def run_supervised(
         list(argv), env=dict(env) if env is not None else None, stdout=stdout, stderr=stderr, start_new_session=True
     )
 
-    def kill_group() -> None:
+    def kill_group() -> list[int]:
+        # mpiexec's own group, and its ranks BY PID: PRRTE puts every rank in a process group of
+        # its own (it keeps mpiexec's session), so killpg(mpiexec) alone leaves them running,
+        # re-parented to pid 1, when mpiexec goes first.
+        ranks = session_ranks(proc.pid)
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return ranks
 
     def forward(signum: int, _frame: object) -> None:
         if on_signal is not None:
@@ -264,7 +274,15 @@ def run_supervised(
                 raise subprocess.TimeoutExpired(list(argv), timeout_s or 0)
         return proc.returncode
     finally:
-        kill_group()  # leftovers (a SIGSTOPped rank) never outlive the job
+        exited = proc.poll() is not None
+        left = kill_group()  # leftovers (a SIGSTOPped rank) never outlive the job
+        if left and exited:
+            print(f"[lightning-recover] {len(left)} rank(s) outlived mpiexec; ended them (SIGKILL): pids {left}",
+                  file=sys.stderr, flush=True)
+        deadline = time.monotonic() + 5.0
+        while left and time.monotonic() < deadline:  # gone before the caller starts anything else
+            left = [p for p in left if p in session_ranks(proc.pid)]
+            time.sleep(0.05)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

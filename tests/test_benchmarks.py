@@ -128,3 +128,63 @@ def test_rejoin_benchmark_summary_reads_join_costs_and_phase_step_times_from_a_l
     assert (s["pause_median_s"], s["transfer_median_s"]) == (0.2, 0.1)
     assert (s["step_s_before"], s["step_s_degraded"], s["step_s_after_join"]) == (1.0, 2.0, 0.5)
     assert rejoin.summarize(ledger[:3], kill_step=2)["joins"] == []
+
+
+def test_peers_kill_plan_is_checked_against_the_run() -> None:
+    import peers  # benchmarks/peers.py
+
+    assert peers.parse_kills("25:3, 10:1", 400) == [(10, 1), (25, 3)]
+    for bad, msg in (("10", "STEP:REPLICA"), ("0:1", "must lie in"), ("10:4", "must be in"), ("10:1,12:1", "distinct"),
+                     ("1:0,2:1,3:2,4:3", "at least one")):
+        with pytest.raises(SystemExit, match=msg):
+            peers.parse_kills(bad, 400)
+
+
+def test_peers_metrics_pause_capacity_deviation_and_samples() -> None:
+    from peers import Run, Step, metrics
+
+    def step(s: int, t: float, loss: float = 1.0, batch: int = 8, contributors: int = 4, idx: list[int] | None = None) -> Step:
+        return Step(t=t, loss=loss, batch=batch, contributors=contributors, indices=idx if idx is not None else [2 * s, 2 * s + 1])
+
+    ref = Run("x-ff", ok=True, steps={s: step(s, 0.1 * s) for s in range(10)})
+    # A kill in step 5 (fired at t = 0.45): step 5 commits 1 s late, steps 5-6 run on 3 of 4
+    # replicas with a smaller batch, step 6 re-applies samples 0 and 1 instead of 12 and 13.
+    steps = {s: step(s, 0.1 * s + (1.0 if s >= 5 else 0.0), loss=1.0 + (0.01 if s >= 5 else 0.0),
+                     batch=6 if s in (5, 6) else 8, contributors=3 if s in (5, 6) else 4, idx=[0, 1] if s == 6 else None)
+             for s in range(10)}
+    m = metrics(Run("x", ok=True, steps=steps, kills=[{"step": 5, "replica": 1, "t": 0.45}]), ref, mbs=4)
+    assert m["pause_s"] == [pytest.approx(1.0)] and m["capacity_back_s"] == [pytest.approx(1.25)]
+    assert (m["batch_min"], m["batch_mean"]) == (6, pytest.approx(7.6)) and m["committed_samples"] == 76 * 4
+    assert m["max_dloss"] == pytest.approx(0.01) and (m["samples_repeated"], m["samples_lost"]) == (2, 2)
+    assert m["throughput"] == pytest.approx((76 - 8) * 4 / 1.9)
+    # Without a replica coming back, capacity is never back; a restart's own gaps take precedence.
+    never = {s: step(s, 0.1 * s, contributors=3 if s >= 5 else 4) for s in range(10)}
+    assert metrics(Run("y", steps=never, kills=[{"step": 5, "t": 0.45}]), ref, mbs=4)["capacity_back_s"] == [None]
+    cr = Run("cr", steps=dict(ref.steps), kills=[{"step": 5, "t": 0.45}], kill_gaps=[(3.1, 3.0)])
+    assert metrics(cr, ref, mbs=4)["pause_s"] == [pytest.approx(3.0)]
+
+
+@pytest.mark.mpi
+def test_peers_quick_runs_ours_under_outside_kills_and_leaves_no_process(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """``peers.py --quick`` for ReCoVer (fault-free and 2 SIGKILLs from the driver); torchft is not run in CI."""
+    import time
+
+    import peers
+    from proctree import _all_pids, _cmdline
+
+    def ours() -> set[int]:
+        return {p for p in _all_pids() if "bench_job" in _cmdline(p)}
+
+    before = ours()
+    rc = peers.main(["--quick", "--systems", "recover-ff", "recover", "--quiet-wait", "0", "--out", str(tmp_path / "p.json")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    res = json.loads((tmp_path / "p.json").read_text())
+    m = res["table"]["recover"]
+    assert m["steps"] == 30 and m["batch_min"] == 8 and len(res["runs"]["recover"]["kills"]) == 2
+    assert m["max_dloss"] < 1e-5 and m["samples_lost"] == 0 and m["samples_repeated"] == 0
+    assert all(p is not None and p < 5.0 for p in m["pause_s"])
+    assert out.strip().splitlines()[-1].startswith("ReCoVer effective throughput:")
+    time.sleep(0.5)
+    assert not ours() - before, f"processes of the benchmark left behind: {ours() - before}"
