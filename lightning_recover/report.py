@@ -386,12 +386,13 @@ def summarize(records: Sequence[Mapping[str, Any]], microbatch_size: int | None 
     unpaused: float | None = None
     if wall > 0:
         unpaused = 1.0 - (paused + join_paused) / wall
-        if unpaused < 0:
+        # Sums of the same floats in another order differ in the last bits: equal is not "exceeds".
+        if unpaused < -1e-9:
             warnings.append(
                 f"the pauses ({paused + join_paused:.3f} s) exceed the step time ({wall:.3f} s); "
                 f"the ledger's times are inconsistent"
             )
-            unpaused = 0.0
+        unpaused = max(unpaused, 0.0)
     if replayed > committed:
         warnings.append(f"{replayed} replayed microbatches exceed the {committed} committed (run check-ledger)")
     Bs = Counter(r["B"] for r in recs)
