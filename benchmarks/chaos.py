@@ -69,6 +69,16 @@ leader alone on the head host twice, 120 s and 150 s, ``LIGHTNING_RECOVER_REPAIR
 not ending it, so before the repair; rank 1 alone on host 1 stopped in the optimizer
 phase once, 150 s), while rank 2 alone on host 2 stopped in forward recovered in 19 s.
 
+What it finds today (2026-12-02, pip Open MPI 5.0.11): ``--hosts 3 --runs 20 --seed 7
+--steps 4`` has 2 hangs in 20 runs (runs 13 and 15): host 1 partitioned, or frozen, while
+the world is 3 one-rank replicas on 3 hosts. The majority's two ranks never repair: one
+says "ranks known dead: [1]", the other "not yet known", and both wait for good in the
+agreement that precedes the repair (py-spy, 35 s after the cut: ``FaultTolerantComm.agree``,
+``self.world.Agree``, called from ``StepEngine.reduce_until_committed``), which the
+repair's bound (``LIGHTNING_RECOVER_REPAIR_TIMEOUT``) does not cover. The same faults on host
+2 recover (12-35 s), and the partition of host 1 hung 2 of 2 times when run alone. The
+cut-off rank itself left with the no-quorum marker within 12 s.
+
 It is a tool of the checkout, not of the installed package: it trains the example GPT of
 ``examples/model.py``. Exit status 1 on any violation or hang. ``python benchmarks/chaos.py
 job CONFIG`` is the launched job. :func:`reference_run` is the project's one fault-free
