@@ -57,6 +57,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -203,7 +204,7 @@ class Killer:
             self.pending.pop(0)
             t = time.time()
             try:
-                os.kill(pid, 9)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 continue
             self.fired.append({"step": step, "replica": replica, "t": t, "pid": pid, "seen_step": committed_step})
