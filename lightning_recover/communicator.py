@@ -58,13 +58,14 @@ Nothing here imports Lightning; torch is used only for tensor views.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, NoReturn
 
@@ -211,6 +212,42 @@ def _ulfm_unavailable_message() -> str:
     )
 
 
+class _Bound:
+    """Ends the rank (``leave(reason)``) when a section entered with :meth:`within` outlasts ``seconds``.
+
+    One daemon thread per communicator, started at the first section and polling once a
+    second, so the per-step agreement pays two attribute writes, not a timer thread."""
+
+    def __init__(self, seconds: float, leave: Callable[[str], None]) -> None:
+        self.seconds = seconds
+        self._leave = leave
+        self._section: tuple[float, str] | None = None  # (deadline, what): one tuple, swapped atomically
+        self._thread: threading.Thread | None = None
+
+    @contextlib.contextmanager
+    def within(self, what: str) -> Iterator[None]:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="lightning-recover-bound", daemon=True)
+            self._thread.start()
+        outer = self._section  # a repair's agreements sit inside the repair's own bound
+        if outer is None:
+            self._section = (time.monotonic() + self.seconds, what)
+        try:
+            yield
+        finally:
+            self._section = outer
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(1.0)
+            section = self._section
+            if section is not None and time.monotonic() > section[0]:
+                self._leave(
+                    f"{section[1]} did not finish within {self.seconds:g} s (an agreement that does not return; "
+                    f"{ENV_REPAIR_TIMEOUT} sets the bound)"
+                )
+
+
 class FaultTolerantComm:
     """ULFM communicator for W replicas x S shards; see the module docstring for the contract."""
 
@@ -273,8 +310,9 @@ class FaultTolerantComm:
         # Where every rank runs and which process it is, so a rank declared dead while
         # merely hung can be fenced off without ever hitting a recycled pid.
         self._procs: dict[int, tuple[str, int, str | None]] = {}
-        #: A repair that takes longer ends this rank as one without quorum (see :meth:`repair`).
+        #: A repair or agreement that takes longer ends this rank as one without quorum (see :meth:`repair`).
         self.repair_timeout_s = repair_timeout()
+        self._bound = _Bound(self.repair_timeout_s, lambda why: self.quorum_exit(why))
         #: This launch's name (host:pid:start of its first rank): what the write fences hold.
         self.job_id = ""
         # The write fences of the run's outputs (lightning_recover.fence), set by guard_writes.
@@ -615,10 +653,15 @@ class FaultTolerantComm:
                 )
 
     def agree(self, flag: bool = True) -> bool:
-        """Fault-tolerant AND of ``flag`` over the survivors; ``False`` everywhere if anyone died meanwhile."""
+        """Fault-tolerant AND of ``flag`` over the survivors; ``False`` everywhere if anyone died meanwhile.
+
+        Bounded like a repair (:class:`_Bound`): Open MPI's agreement waited for good when the
+        middle one of 3 fake hosts was cut off (the issue's majority hang, found again by the
+        chaos campaign), before any repair began."""
         MPI = _mpi()
         try:
-            return bool(self.world.Agree(int(bool(flag))))
+            with self._bound.within(f"the agreement at world epoch {self.world_epoch}"):
+                return bool(self.world.Agree(int(bool(flag))))
         except MPI.Exception as exc:
             if exc.Get_error_class() not in failure_classes():
                 raise
@@ -695,18 +738,8 @@ class FaultTolerantComm:
         # Open MPI's agreement can wait for good when a cut-off host's ranks are declared dead
         # one at a time (seen with 3 fake hosts, one partitioned): leave in bounded time instead,
         # as a side without quorum does, so that a supervising launcher relaunches the job.
-        timer = threading.Timer(
-            self.repair_timeout_s,
-            self.quorum_exit,
-            (f"the repair after world epoch {self.world_epoch} did not finish within {self.repair_timeout_s:g} s "
-             f"(an agreement that does not return; {ENV_REPAIR_TIMEOUT} sets the bound)",),
-        )
-        timer.daemon = True
-        timer.start()
-        try:
+        with self._bound.within(f"the repair after world epoch {self.world_epoch}"):
             return self._repair(max_rounds, t0)
-        finally:
-            timer.cancel()
 
     def _repair(self, max_rounds: int, t0: float) -> RepairResult:
         MPI = _mpi()

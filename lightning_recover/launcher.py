@@ -197,7 +197,8 @@ def run_supervised(
     forwarded to the whole job, and reported to ``on_signal``. When ``finished`` (the job's
     last world ended and all its members left, :attr:`JobMarkers.finished`) holds for
     ``grace_s`` while mpiexec still waits -- on the ranks of a frozen or cut-off host, which
-    it cannot reach and never gives up on -- the job is ended and the status is 0.
+    it cannot reach and never gives up on -- the job is ended and the status is 0 (the
+    caller judges the job by the markers, :func:`final_words`).
     """
     proc = subprocess.Popen(
         list(argv), env=dict(env) if env is not None else None, stdout=stdout, stderr=stderr, start_new_session=True
@@ -240,8 +241,8 @@ def run_supervised(
                 done_since = (done_since or now) if finished() else None
                 if done_since is not None and now - done_since > grace_s and proc.poll() is None:
                     print(
-                        "[lightning-recover] the job finished on every rank of its last world, but mpiexec keeps "
-                        "waiting on ranks it cannot reach (a frozen or cut-off host); ending it with status 0",
+                        "[lightning-recover] every rank of the job's last world has left, but mpiexec keeps "
+                        "waiting on ranks it cannot reach (a frozen or cut-off host); ending it",
                         file=sys.stderr,
                         flush=True,
                     )
@@ -346,6 +347,12 @@ class JobMarkers:
     def finished(self) -> bool:
         """The last world ended the job and every one of its members left normally."""
         return self.done is not None and self.done <= self.ok
+
+    def over(self, nprocs: int) -> bool:
+        """The job can do nothing more: its last world finished, or every one of its ``nprocs``
+        ranks left a final marker (ok, exited -- e.g. every side stopped for want of quorum --
+        or raised)."""
+        return self.finished or set(range(nprocs)) <= (self.ended | set(self.raised))
 
 
 def _read_text(path: str) -> str:
@@ -468,7 +475,7 @@ def launch(
     with where as status_dir:
         env[ENV_STATUS_DIR] = status_dir
         status = run_supervised(
-            argv, env, nprocs=nprocs if here else None, finished=lambda: JobMarkers.read(status_dir).finished
+            argv, env, nprocs=nprocs if here else None, finished=lambda: JobMarkers.read(status_dir).over(nprocs)
         )
         status, words = final_words(JobMarkers.read(status_dir), nprocs, status)
     if words is not None:
@@ -721,7 +728,7 @@ def supervise(
             try:
                 status = run_supervised(argv, env, nprocs=plan.nprocs if local else None, watch=watch,
                                         stdout=pipes[0][1], stderr=pipes[1][1], on_signal=interrupted.append,
-                                        finished=lambda d=status_dir: JobMarkers.read(d).finished)
+                                        finished=lambda d=status_dir, n=plan.nprocs: JobMarkers.read(d).over(n))
             finally:
                 for _, w in pipes:
                     os.close(w)

@@ -54,7 +54,7 @@ def _files_of(out: Path, ranks: list[int]) -> list[str]:
 
 
 def cut_off_while_paused(
-    cluster: FakeCluster, out: Path, host: int, fault: Callable[[int], object], seen: dict[str, Any]
+    cluster: FakeCluster, out: Path, host: int, fault: Callable[[int], object], seen: dict[str, Any], *, commits: bool = True
 ) -> Callable[[], None]:
     """A ``during`` hook: once step 0 is in the ledger (rank 0 then pauses, so every rank waits in
     step 1), apply ``fault`` to ``host``; record when, and when its ranks are gone."""
@@ -65,8 +65,9 @@ def cut_off_while_paused(
         seen["cut_at"] = time.monotonic()
         seen["steps_before_cut"] = _ledger_steps(out)
         fault(host)
-        cluster.wait_until(lambda: _ledger_steps(out) >= 2, QUORUM_EXIT_BOUND_S, "step 1 committed after the cut")
-        seen["majority_back_after_s"] = time.monotonic() - seen["cut_at"]
+        if commits:  # the others go on: step 1 commits without the host
+            cluster.wait_until(lambda: _ledger_steps(out) >= 2, QUORUM_EXIT_BOUND_S, "step 1 committed after the cut")
+            seen["majority_back_after_s"] = time.monotonic() - seen["cut_at"]
         try:
             cluster.wait_until(lambda: not cluster.ranks(host), QUORUM_EXIT_BOUND_S + 30, f"host {host}'s ranks to leave")
             seen["gone_after_s"] = time.monotonic() - seen["cut_at"]
@@ -147,6 +148,33 @@ def test_a_frozen_host_is_detected_within_the_bound_and_the_job_ends(tmp_path: P
     assert "mpiexec keeps waiting on ranks it cannot reach" in job.stderr, job.describe()
     assert cluster.stopped_ranks(2) == [2], "the frozen rank is still there, stopped: nothing could fence it"
     print(f"frozen host: step 1 committed {seen['detected_after_s']:.1f}s after the freeze (recovery {ledger[1]['recovery_s']:.2f}s)")
+
+
+def test_an_agreement_that_never_returns_ends_the_job_in_bounded_time(tmp_path: Path, fake_cluster: Callable[..., FakeCluster]) -> None:
+    # The middle one of 3 hosts cut off: Open MPI 5.0.11's agreement never returns on the two
+    # survivors (the majority hang of issue 21, found again by the chaos campaign). The bound
+    # on agreements (LIGHTNING_RECOVER_REPAIR_TIMEOUT, 20 s here) ends them as ranks without
+    # quorum; the launcher ends mpiexec (waiting on the cut-off daemon) and reports 75, the
+    # status a supervisor relaunches on. Nothing hangs, and what was committed is exact.
+    cluster = fake_cluster(3, slots=1)
+    argv = ["--steps", str(STEPS), "--shards", "1", "--pause", "0:2"]
+    seen: dict[str, Any] = {}
+    during = cut_off_while_paused(cluster, tmp_path, 1, cluster.partition, seen, commits=False)
+    t0 = time.monotonic()
+    job = train_worker(3, tmp_path, argv, [], timeout=300, cluster=cluster, during=during,
+                       env={"LIGHTNING_RECOVER_REPAIR_TIMEOUT": "20"}, **detector(tmp_path / "status"))
+    elapsed = time.monotonic() - t0
+    markers = _markers(tmp_path / "status", [0, 1, 2])
+    if job.returncode == 0:  # the agreement returned after all: then the majority went on, exactly
+        _assert_majority_went_on_exactly(job, tmp_path, argv, 3, survivors=[0, 2], lost=[1])
+        return
+    assert job.returncode == 75, job.describe()
+    assert "stopped for want of a quorum" in job.stderr, job.describe()
+    assert all(m.startswith("no quorum") for m in markers.values()) and {0, 2} <= set(markers), markers
+    assert any("did not finish within 20 s" in m for m in markers.values()), markers
+    ledger = read_ledger(tmp_path / "ledger.jsonl")
+    assert [line["step"] for line in ledger] == list(range(len(ledger))) and len(ledger) >= 1
+    print(f"middle host cut off: the job ended with status 75 after {elapsed:.0f}s, {len(ledger)} step(s) committed")
 
 
 def test_a_link_flap_shorter_than_the_detector_costs_nothing(tmp_path: Path, fake_cluster: Callable[..., FakeCluster]) -> None:

@@ -72,3 +72,23 @@ def test_the_repair_bound_reads_the_environment(monkeypatch) -> None:
         monkeypatch.setenv(ENV_REPAIR_TIMEOUT, bad)
         with pytest.raises(ValueError, match=f"{ENV_REPAIR_TIMEOUT}='{bad}' must be a positive number"):
             repair_timeout()
+
+
+def test_a_section_that_outlasts_its_bound_ends_the_rank_and_one_in_time_does_not() -> None:
+    import time
+
+    from lightning_recover.communicator import _Bound
+
+    left: list[str] = []
+    bound = _Bound(1.5, left.append)
+    with bound.within("the agreement at world epoch 3"):
+        time.sleep(0.2)
+    time.sleep(2.5)
+    assert left == [], "a section that ended in time never ends the rank"
+    with bound.within("the repair after world epoch 3"):
+        with bound.within("an agreement inside it"):  # an inner section keeps the outer deadline
+            deadline = time.monotonic() + 10
+            while not left and time.monotonic() < deadline:
+                time.sleep(0.1)
+    assert left and left[0].startswith("the repair after world epoch 3 did not finish within 1.5 s"), left
+    assert "LIGHTNING_RECOVER_REPAIR_TIMEOUT" in left[0]
