@@ -57,7 +57,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -622,11 +622,7 @@ class FakeCluster:
     def kill_ranks(self, host: FakeHost | str | int) -> list[int]:
         """SIGKILL every rank process on ``host`` at once; Open MPI's daemon there lives on. Returns the world ranks killed."""
         found = self.ranks(host)
-        for pid in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _signal_all(found, signal.SIGKILL)
         return sorted(set(found.values()))
 
     def kill_host(self, host: FakeHost | str | int) -> list[int]:
@@ -644,20 +640,12 @@ class FakeCluster:
     def freeze(self, host: FakeHost | str | int) -> list[int]:
         """SIGSTOP every process on ``host`` (a frozen node); :meth:`thaw` resumes them. Returns the pids stopped."""
         pids = self.processes(host)
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                pass
+        _signal_all(pids, signal.SIGSTOP)
         return pids
 
     def thaw(self, host: FakeHost | str | int) -> None:
         """SIGCONT every process on ``host``."""
-        for pid in self.processes(host):
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        _signal_all(self.processes(host), signal.SIGCONT)
 
     def partition(self, host: FakeHost | str | int) -> None:
         """Cut ``host`` off the network: its switch port goes down (the host keeps its address, routes and processes)."""
@@ -696,6 +684,15 @@ class FakeCluster:
                             os.kill(pid, sig)
                         except ProcessLookupError:
                             pass
+
+
+def _signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
+    """Send ``sig`` to each of ``pids``; one that is already gone is skipped."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _environ(pid: int) -> dict[str, str]:
