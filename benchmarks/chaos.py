@@ -32,52 +32,58 @@ With ``--hosts N`` (N >= 2, root: fake hosts in network namespaces,
 :mod:`lightning_recover.testing.fake_cluster`) every run goes onto up to N fake hosts
 built once for the campaign, with Open MPI's heartbeat detector on (period 1 s, timeout
 4 s, without its thread), and gets one **host fault** on a host other than the head
-(where mpiexec runs): ``host_ranks_kill`` (all its ranks, the daemon lives),
-``host_freeze`` (every process SIGSTOPped), ``host_partition`` (its link down for good) or
-``host_flap`` (down 2-6 s, then up), mixed with a rank fault elsewhere in most runs (kill,
-or a SIGSTOP on a host where another rank runs, whose watchdog kills it). FaultInjection asks for the host fault when the
-named rank reaches the point; the campaign's harness
-(:class:`lightning_recover.testing.host_faults.HostFaultHarness`) applies it. Each run's
-outcome is predicted with the no-split-brain rule (:mod:`lightning_recover.quorum`, the
-same inputs the survivors have) and checked:
+(where mpiexec runs): ``host_ranks_kill`` (all its ranks, the daemon lives), ``host_kill``
+(the whole host, Open MPI's daemon with it), ``host_freeze`` (every process SIGSTOPped),
+``host_partition`` (its link down for good) or ``host_flap`` (down 2-6 s, then up), mixed
+with a rank fault elsewhere in most runs (kill, or a SIGSTOP on a host where another rank
+runs, whose watchdog kills it). FaultInjection asks for the host fault when the named rank
+reaches the point; the campaign's harness
+(:class:`lightning_recover.testing.host_faults.HostFaultHarness`) applies it. Every run is
+launched as a user on a cluster would launch it: ``lightning-recover launch --supervise``
+over the hosts, a checkpoint after every step, ``--stall-timeout`` :data:`STALL_TIMEOUT_S`,
+every agreement and repair bounded by :data:`REPAIR_BOUND_S`
+(``LIGHTNING_RECOVER_REPAIR_TIMEOUT``). Where the job cannot go on in place the supervisor
+relaunches it from the newest checkpoint on the hosts it can still reach (the ssh
+stand-in refuses a cut-off host and never answers for a frozen one, as ssh would); the
+relaunch runs without faults. Each run's outcome is predicted with the no-split-brain rule
+(:mod:`lightning_recover.quorum`, the same inputs the survivors have) and checked:
 
-* it ends within the bound (else a *hang*);
-* **split brain** (counted apart): two ledger lines for one step, or a rank outside the
-  last world that finished (a result file or an ``ok`` marker) -- two sides trained;
-* when the rule lets the head's side go on: the ledger is exact against the fault-free
-  reference, the last world is the predicted one (a flap may also heal before anybody
-  noticed: then nobody is lost), the survivors are bitwise identical, and every rank of
-  a cut-off host that is not in the last world left with an ``exited`` marker starting
-  "no quorum"; the launcher's status is 0;
-* when the rule lets no side go on (only drawn where the other side is dead: all ranks of
-  a host killed, or a rank kill that leaves a tie without the leader): the launcher's status
-  is 75, every survivor left with the "no quorum" marker, nobody finished, and the ledger
-  up to the stop is exact.
+* it ends within the bound (else a *hang*), with the launcher's status 0, every step in
+  the ledger once and exact against the fault-free reference (every attempt's ledger, as
+  the attempt left it, too), and the last world's replicas bitwise identical;
+* **split brain** (counted apart): two ledger lines for one step, a rank outside the last
+  world that finished (a result file or an ``ok`` marker), or a rank of a relaunched
+  attempt that finished -- two sides trained;
+* when the rule lets the head's side go on: it goes on in place, the last world is the
+  predicted one (a flap may also heal before anybody noticed: then nobody is lost), and
+  every rank of a cut-off host left with an ``exited`` marker starting "no quorum"; or, the
+  one exception, an agreement or repair Open MPI never returned from was cut short by its
+  bound (the markers say "did not finish within") and the relaunch finished the job;
+* when the rule lets no side go on: every rank of the head's side left with the "no
+  quorum" marker, and the supervisor relaunched (a stop while mpiexec waits on a frozen
+  or cut-off host's daemon ends by the stall timeout);
+* a host lost with its daemon: Open MPI 5.0.x aborts the whole job; the supervisor names
+  the lost host and relaunches on the others.
 
 Draws left out on purpose, and why: the head host is never a victim (losing it loses the
-job on any cluster); the *whole host* with its daemon (``host_kill``) is not drawn, as
-Open MPI 5.0.x aborts the whole job on a lost daemon and only a supervised relaunch from a
-checkpoint continues (tested apart in tests/test_host_faults_mpi.py; this campaign's job
-writes no checkpoints); a cut where the rule lets the cut-off side go on instead of the
-head's (legal, but then the head's side stops while mpiexec waits on the far daemon); and a
-stop for want of quorum while a host is cut off or frozen or a rank is stopped, because
-mpiexec then waits for ranks it cannot reach and only a supervisor ends the job; and a
-rank SIGSTOPped alone on its host (no watchdog beside it): left to Open MPI's detector,
-one survivor learnt of the failure and another never did ("ranks known dead: not yet
-known"), no repair began, and the job hung until it was killed -- seen 3 times here (the
-leader alone on the head host twice, 120 s and 150 s, ``LIGHTNING_RECOVER_REPAIR_TIMEOUT=40``
-not ending it, so before the repair; rank 1 alone on host 1 stopped in the optimizer
-phase once, 150 s), while rank 2 alone on host 2 stopped in forward recovered in 19 s.
+job on any cluster); a cut where the rule lets the cut-off side go on instead of the
+head's (legal, but the cut-off side's daemon then answers to an mpiexec it cannot reach:
+no launcher can report that world's end); and a rank SIGSTOPped alone on its host (no
+watchdog beside it): left to Open MPI's detector, one survivor learnt of the failure and
+another never did ("ranks known dead: not yet known"), no repair began, and the job hung
+until it was killed -- seen 3 times here (the leader alone on the head host twice, 120 s
+and 150 s, ``LIGHTNING_RECOVER_REPAIR_TIMEOUT=40`` not ending it, so before the repair;
+rank 1 alone on host 1 stopped in the optimizer phase once, 150 s), while rank 2 alone on
+host 2 stopped in forward recovered in 19 s.
 
-What it finds today (2026-12-02, pip Open MPI 5.0.11): ``--hosts 3 --runs 20 --seed 7
---steps 4`` has 2 hangs in 20 runs (runs 13 and 15): host 1 partitioned, or frozen, while
-the world is 3 one-rank replicas on 3 hosts. The majority's two ranks never repair: one
-says "ranks known dead: [1]", the other "not yet known", and both wait for good in the
-agreement that precedes the repair (py-spy, 35 s after the cut: ``FaultTolerantComm.agree``,
-``self.world.Agree``, called from ``StepEngine.reduce_until_committed``), which the
-repair's bound (``LIGHTNING_RECOVER_REPAIR_TIMEOUT``) does not cover. The same faults on host
-2 recover (12-35 s), and the partition of host 1 hung 2 of 2 times when run alone. The
-cut-off rank itself left with the no-quorum marker within 12 s.
+Open MPI's agreement that never returns (2026-12-02, pip Open MPI 5.0.11): host 1 of 3
+partitioned or frozen while the world is 3 one-rank replicas on 3 hosts: the majority's
+two ranks never repair; one says "ranks known dead: [1]", the other "not yet known", and
+both wait for good in the agreement that precedes the repair (py-spy:
+``FaultTolerantComm.agree``, ``self.world.Agree``, from
+``StepEngine.reduce_until_committed``). Before agreements were bounded, ``--hosts 3
+--runs 20 --seed 7 --steps 4`` had 2 such hangs in 20 runs; now the bound ends those ranks
+and the supervisor relaunches the job from its checkpoint.
 
 It is a tool of the checkout, not of the installed package: it trains the example GPT of
 ``examples/model.py``. Exit status 1 on any violation or hang. ``python benchmarks/chaos.py
@@ -210,13 +216,20 @@ def draw_run(
 #: (hosts, slots per host, replicas, shards) for ``--hosts N``: ranks fill each host in turn, every
 #: replica lives on one host, at most 4 ranks (2 cores). Those needing more hosts than N are left out.
 HOST_TOPOLOGIES: tuple[tuple[int, int, int, int], ...] = ((3, 1, 3, 1), (2, 2, 4, 1), (2, 2, 2, 2), (4, 1, 4, 1))
-#: The host faults drawn (``host_kill`` is not: see the module docstring).
-HOST_FAULT_KINDS = ("host_ranks_kill", "host_freeze", "host_partition", "host_flap")
+HOST_FAULT_KINDS = ("host_ranks_kill", "host_kill", "host_freeze", "host_partition", "host_flap")
 #: Open MPI's heartbeat detector without its thread (which hung fault-free jobs at finalize): the
 #: only way a cut-off or frozen host's ranks are noticed; a rank silent for 4 s is declared dead.
 #: How long after the cut a partitioned host's ranks may take to leave on their own (detection at
 #: 4 s per rank the detector must declare, one at a time, then the repair; a loaded 2-core machine).
 CUT_OFF_EXIT_BOUND_S = 60.0
+#: ``LIGHTNING_RECOVER_REPAIR_TIMEOUT`` of the runs on fake hosts: an agreement or repair that does
+#: not return within it ends its rank as one without quorum (the supervisor relaunches). Above the
+#: slowest in-place repair seen here (35 s: a frozen host's two ranks, declared one at a time).
+REPAIR_BOUND_S = 45.0
+#: The supervisor's ``--stall-timeout``: no committed step for this long (counted from an attempt's
+#: start) ends the attempt -- what ends a job whose mpiexec waits on a frozen host's daemon after
+#: every rank it can reach has left. Above start-up plus :data:`REPAIR_BOUND_S` on a loaded machine.
+STALL_TIMEOUT_S = 100.0
 DETECTOR = ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "4"]
 
 
@@ -237,6 +250,9 @@ class Prediction:
     #: aborts a declared rank once it hears of it. So any non-empty part of ``final[0]`` may
     #: form the last world, or the head's side may stop for want of quorum; one world at most.
     flap: bool = False
+    #: The host is lost with Open MPI's daemon (``host_kill``): Open MPI 5.0.x aborts the whole job,
+    #: and only the supervisor's relaunch on the other hosts goes on.
+    host_lost: bool = False
 
 
 def predict(run: ChaosRun, flap_lost: bool = True) -> Prediction:
@@ -257,6 +273,8 @@ def predict(run: ChaosRun, flap_lost: bool = True) -> Prediction:
         if replica_of[f["rank"]] not in alive:
             return Prediction(False, (), refused=f"rank {f['rank']} is gone before its fault fires")
         leader = replica_of[min(live)]
+        if f["kind"] == "host_kill":
+            return Prediction(False, (), host_lost=True)
         if f["kind"].startswith("host_"):
             if f["kind"] == "host_flap" and not flap_lost:
                 continue
@@ -276,10 +294,8 @@ def predict(run: ChaosRun, flap_lost: bool = True) -> Prediction:
         if verdict.proceed:
             alive = keep
             continue
-        cut_off = any(g["kind"] in ("host_partition", "host_flap", "host_freeze") for g in events)
-        stopped_rank = any(g["kind"] == "hang" for g in events)
-        if cut_off or stopped_rank:
-            return Prediction(False, (), refused="a stop for want of quorum while mpiexec waits on ranks it cannot reach")
+        # The head's side stops; the supervisor relaunches (an mpiexec left waiting on ranks it cannot
+        # reach -- a frozen or cut-off host, a stopped rank -- is ended by its stall watchdog).
         return Prediction(False, (frozenset(alive),), stopped=frozenset(present))
     return Prediction(True, (frozenset(alive),))
 
@@ -306,8 +322,9 @@ def draw_host_run(index: int, rng: random.Random, steps: int, n_hosts: int, hang
         run.faults.append(fault)
         elsewhere = [r for r in range(run.world) if run.host_of(r) != victim]
         # Never in the last step (a death after the last commit is in no ledger line); before a
-        # flap only, whose cost is not known in advance (Prediction.flap).
-        rank_steps = [t for t in range(steps - 1) if t != host_step and (kind != "host_flap" or t < host_step)]
+        # flap only, whose cost is not known in advance (Prediction.flap), and before a host lost whole,
+        # after which the job is relaunched without faults.
+        rank_steps = [t for t in range(steps - 1) if t != host_step and (kind not in ("host_flap", "host_kill") or t < host_step)]
         if rng.random() < 0.7 and rank_steps:
             rank_step = rng.choice(rank_steps)
             r = rng.random()
@@ -377,7 +394,15 @@ def param_digest(model: Any) -> str:
     return h.hexdigest()
 
 
-def job(config_path: str) -> None:
+#: What the supervisor appends to the job's command when it relaunches from a checkpoint (runs on fake hosts).
+RESUME_ARG = "--resume"
+
+
+def job(config_path: str, resume: bool = False) -> None:
+    """One rank of a run. Runs on fake hosts are supervised (``supervised`` in the config): a
+    checkpoint after every step, and a relaunch (``resume``) continues from the newest one
+    with no faults (they were the first attempt's); the ledger the earlier attempt left is
+    first copied to ``ledger.attempt-K.jsonl``, as the judge's record of that attempt."""
     import torch
 
     torch.set_num_threads(1)
@@ -385,31 +410,43 @@ def job(config_path: str) -> None:
     from torch.utils.data import DataLoader
 
     from lightning_recover.callbacks import CorruptionCheck, FaultInjection
+    from lightning_recover.callbacks.checkpoint import fallback_checkpoint, resolve_ckpt_path
+    from lightning_recover.launcher import ENV_ATTEMPT
     from lightning_recover.strategies import ReCoVerHSDPStrategy
 
     cfg = json.loads(Path(config_path).read_text())
     out = Path(cfg["out"])
+    attempt = int(os.environ.get(ENV_ATTEMPT, "0"))
+    supervised = bool(cfg.get("supervised"))
+    if attempt and os.environ.get("OMPI_COMM_WORLD_RANK") == "0" and (out / "ledger.jsonl").exists():
+        shutil.copyfile(out / "ledger.jsonl", out / f"ledger.attempt-{attempt - 1}.jsonl")
     model, data = build_tiny(cfg["seed"])
+    ckpt_dir = out / "checkpoints"
     strategy = ReCoVerHSDPStrategy(
-        shards=cfg["shards"], grad_accum=cfg["grad_accum"], target_replicas=cfg["target"], seed=cfg["seed"],
+        shards=cfg["shards"], grad_accum=cfg["grad_accum"], target_replicas=None if resume else cfg["target"], seed=cfg["seed"],
         ledger_path=out / "ledger.jsonl", bucket_mb=0.01,
         rejoin=cfg.get("rejoin", False), rejoin_backoff_s=0.5, rejoin_timeout_s=60.0,
         sdc_every_n_steps=1, sdc_action="repair",
+        # Written in the foreground: a relaunch must find the step's checkpoint complete.
+        **({"checkpoint_dir": ckpt_dir, "checkpoint_every_n_steps": 1, "checkpoint_async_save": False} if supervised else {}),
     )
     slow = [slow_while_degraded(1.0)] if cfg.get("rejoin") else []
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=cfg["steps"], callbacks=[FaultInjection(cfg["faults"]), *slow],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        gradient_clip_val=1.0, num_sanity_val_steps=0,
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=cfg["steps"],
+        callbacks=[FaultInjection(cfg["faults"] if attempt == 0 else []), *slow, *([fallback_checkpoint(ckpt_dir, 1)] if supervised else [])],
+        logger=False, enable_checkpointing=supervised, enable_progress_bar=False, enable_model_summary=False,
+        gradient_clip_val=1.0, num_sanity_val_steps=0, default_root_dir=str(out),
     )
-    trainer.fit(model, DataLoader(data, batch_size=SAMPLES_PER_MICROBATCH // cfg["shards"]))
+    ckpt_path = resolve_ckpt_path("last", ckpt_dir) if resume else None
+    trainer.fit(model, DataLoader(data, batch_size=SAMPLES_PER_MICROBATCH // cfg["shards"]), ckpt_path=ckpt_path)
     comm = strategy.comm
     assert comm is not None
     with strategy.replica_guard("final parameter gather"):
         digest = param_digest(model)
     if comm.shard == 0:
         sdc = next(cb for cb in trainer.callbacks if isinstance(cb, CorruptionCheck))
-        (out / f"rank{comm.rank}.json").write_text(json.dumps(
+        name = f"rank{comm.rank}.json" if not supervised else f"rank{comm.rank}.attempt-{attempt}.json"
+        (out / name).write_text(json.dumps(
             {"rank": comm.rank, "replica": comm.replica, "digest": digest, "sdc_checks": sdc.checks, "sdc_detections": sdc.detections}
         ))
     strategy.shutdown(exit_code=0)
@@ -479,10 +516,15 @@ class Outcome:
     split_brain: list[str] = field(default_factory=list)
     #: The host faults the harness applied ("KIND HOST ranks [...]").
     host_faults: list[str] = field(default_factory=list)
-    #: The run ended for want of quorum, as the rule said it must.
+    #: The first attempt stopped for want of quorum, as the rule said it must.
     no_quorum: bool = False
     #: Ranks of a cut-off host that left with the no-quorum marker.
     cut_off_left: int = 0
+    #: Runs on fake hosts (supervised): how often the supervisor relaunched the job, and what each relaunch cost.
+    relaunches: int = 0
+    relaunch_costs: list[str] = field(default_factory=list)
+    #: The in-place repair was cut short by its bound (an agreement Open MPI never returned from).
+    bounded: bool = False
 
 
 def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) -> Outcome:
@@ -578,38 +620,69 @@ def _write_reference(run: ChaosRun, path: Path, steps: int) -> None:
                        "world_epoch": 0, "roles": {}, "faults": [], "extra_microbatches": 0, "step_time_s": 0.0, "recovery_s": 0.0})
 
 
-def _status_markers(status_root: Path) -> dict[str, dict[int, str]]:
-    """``ok`` / ``exited`` / ``raised`` markers the ranks left under the launcher's kept status directory: kind -> rank -> text."""
-    out: dict[str, dict[int, str]] = {"ok": {}, "exited": {}, "raised": {}}
-    for marker in status_root.glob("job-*/*.*"):
+def _status_markers(directory: Path) -> dict[str, dict[int, str]]:
+    """``ok`` / ``exited`` / ``raised`` / ``started`` markers the ranks of one attempt left in its status directory: kind -> rank -> text."""
+    out: dict[str, dict[int, str]] = {"ok": {}, "exited": {}, "raised": {}, "started": {}}
+    for marker in directory.glob("*.*"):
         what, _, rank = marker.name.partition(".")
         if what in out and rank.isdigit():
             out[what][int(rank)] = marker.read_text(errors="replace")
     return out
 
 
+@dataclass
+class _Attempt:
+    """What one attempt of a supervised run left: its ranks' markers, results and ledger."""
+
+    index: int
+    markers: dict[str, dict[int, str]]
+    results: dict[int, dict[str, Any]]
+    ledger_path: Path
+
+
+def _attempts(outdir: Path) -> list[_Attempt]:
+    """The attempts of a supervised run, in order (the supervisor keeps ``status/supervise-*/attempt-K``)."""
+    dirs = sorted(outdir.glob("status/supervise-*/attempt-*"), key=lambda d: int(d.name.rpartition("-")[2]))
+    found = []
+    for i, d in enumerate(dirs):
+        final = i == len(dirs) - 1
+        results = {int(f.name[4:].partition(".")[0]): json.loads(f.read_text()) for f in outdir.glob(f"rank*.attempt-{i}.json")}
+        found.append(_Attempt(i, _status_markers(d), results, outdir / ("ledger.jsonl" if final else f"ledger.attempt-{i}.jsonl")))
+    return found
+
+
+def _supervisor_lines(log_text: str) -> list[str]:
+    return [line for line in log_text.splitlines() if "[lightning-recover] supervise:" in line]
+
+
 def execute_on_hosts(
     run: ChaosRun, pred: Prediction, outdir: Path, cluster: Any, harness: Any, bound_s: float, hang_timeout: float
 ) -> Outcome:
-    """Launch ``run`` on the fake hosts, let the harness apply its host fault, and judge it against ``pred`` (module docstring)."""
-    from lightning_recover.launcher import NO_QUORUM_STATUS
+    """Launch ``run`` supervised on the fake hosts, let the harness apply its host fault, and judge every
+    attempt against ``pred`` (module docstring)."""
     from lightning_recover.ledger import LedgerFormatError, check_ledger, read_ledger
 
     if outdir.exists():
         shutil.rmtree(outdir)  # a result file left by an earlier campaign must never count as a survivor
     outdir.mkdir(parents=True)
-    cfg = {**asdict(run), "target": None, "out": str(outdir)}
+    cfg = {**asdict(run), "target": None, "out": str(outdir), "supervised": True}
     (outdir / "config.json").write_text(json.dumps(cfg))
     harness.reset(outdir / "host-faults")
+    supervise = [
+        "--supervise", "--checkpoint-dir", str(outdir / "checkpoints"), "--ledger", str(outdir / "ledger.jsonl"),
+        "--status-dir", str(outdir / "status"), "--max-relaunches", "2", "--relaunch-backoff", "0.5",
+        f"--resume-arg={RESUME_ARG}", "--replica-size", str(run.shards), "--stall-timeout", f"{STALL_TIMEOUT_S:g}",
+    ]
     argv = cluster.launcher_argv(
         run.world, [sys.executable, str(Path(__file__).resolve()), "job", str(outdir / "config.json")], extra=DETECTOR, cwd=REPO,
-        launcher_options=["--status-dir", str(outdir / "status")], slots=run.slots, hosts=run.hosts,
+        launcher_options=supervise, slots=run.slots, hosts=run.hosts,
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
     env.update(harness.env(), OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "benchmarks")]))
     # The watchdog kills a stopped rank from beside it on its host (as in the one-machine campaign);
     # Open MPI's detector finds what no watchdog can see (a frozen or cut-off host).
     env["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{hang_timeout:g}"
+    env["LIGHTNING_RECOVER_REPAIR_TIMEOUT"] = f"{REPAIR_BOUND_S:g}"
     t0 = time.monotonic()
     hang = False
     # The launcher's output goes to a file: a cut-off host's daemon outlives mpiexec and would hold a pipe.
@@ -628,7 +701,7 @@ def execute_on_hosts(
             if not hang:
                 _let_cut_off_ranks_leave(cluster, harness)
             cluster.kill_everything()  # what outlived the job: a frozen host's or a cut-off host's processes
-            harness.restore()  # links up, frozen hosts thawed: the next run gets whole hosts
+            harness.restore()  # links up, frozen hosts thawed, lost hosts back: the next run gets whole hosts
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -642,94 +715,122 @@ def execute_on_hosts(
     if hang:
         out.violations.append(f"did not finish within {bound_s:.0f}s")
         return out
-    ledger_path = outdir / "ledger.jsonl"
-    try:
-        ledger = read_ledger(ledger_path) if ledger_path.exists() else []
-    except (OSError, LedgerFormatError) as exc:  # e.g. two writers' lines run together
-        out.violations.append(f"the ledger cannot be read: {exc}")
-        ledger = []
-    markers = _status_markers(outdir / "status")
-    results = {int(f.stem[4:]): json.loads(f.read_text()) for f in outdir.glob("rank*.json")}
+    log_text = (outdir / "job.log").read_text(errors="replace")
+    attempts = _attempts(outdir)
+    if not attempts:
+        out.violations.append("the supervisor left no attempt's status directory")
+        return out
+    first, final = attempts[0], attempts[-1]
+    out.relaunches = len(attempts) - 1
+    reasons = [line for line in _supervisor_lines(log_text) if "; relaunch " in line]
+
+    # Every attempt: its ledger exact against the fault-free reference, and never two sides training.
+    ledgers: list[list[dict[str, Any]]] = []
+    for a in attempts:
+        try:
+            ledger = read_ledger(a.ledger_path) if a.ledger_path.exists() else []
+        except (OSError, LedgerFormatError) as exc:  # e.g. two writers' lines run together
+            out.violations.append(f"attempt {a.index + 1}: the ledger cannot be read: {exc}")
+            ledger = []
+        ledgers.append(ledger)
+        steps = [line["step"] for line in ledger]
+        twice = sorted({t for t in steps if steps.count(t) > 1})
+        if twice:
+            out.split_brain.append(f"attempt {a.index + 1}: two ledger lines for step(s) {twice}")
+        if ledger:
+            ref = outdir / f"reference.{a.index}.jsonl"
+            _write_reference(run, ref, max(steps) + 1)
+            verdict = check_ledger(a.ledger_path, reference=str(ref), rtol=1e-4)
+            if not verdict.ok:
+                out.violations.append(f"attempt {a.index + 1}: {verdict.summary_line()}")
+        if a.markers["raised"]:
+            # A host fault must end a rank by death, the gate or the quorum rule, never by an exception.
+            out.violations.append(f"attempt {a.index + 1}: rank(s) raised: " + "; ".join(
+                f"{r}: {t.splitlines()[-1] if t else '?'}" for r, t in sorted(a.markers["raised"].items())))
+        if a is not final and (a.results or a.markers["ok"]):
+            out.split_brain.append(f"attempt {a.index + 1} was relaunched, yet rank(s) {sorted(set(a.results) | set(a.markers['ok']))} of it finished")
+    ledger = ledgers[-1]
     last = set(ledger[-1]["replicas"]) if ledger else set()
 
-    # Split brain: two sides trained (two leaders' lines for one step; a rank outside the last world finished).
-    steps = [line["step"] for line in ledger]
-    twice = sorted({t for t in steps if steps.count(t) > 1})
-    if twice:
-        out.split_brain.append(f"two ledger lines for step(s) {twice}")
-    outsiders = sorted(r for r in set(results) | set(markers["ok"]) if r // run.shards not in last)
+    # The end the user sees: every step committed once, the survivors identical, status 0.
+    if proc.returncode != 0:
+        out.violations.append(f"the launcher's status is {proc.returncode}, expected 0 (the job finishes, in place or relaunched)")
+    if len(ledger) != run.steps:
+        out.violations.append(f"the ledger has {len(ledger)} steps, expected {run.steps}")
+    outsiders = sorted(r for r in set(final.results) | set(final.markers["ok"]) if r // run.shards not in last)
     if outsiders:
         out.split_brain.append(f"rank(s) {outsiders} outside the last world {sorted(last)} finished (results or ok markers)")
+    if {r // run.shards for r in final.results} != last:
+        out.violations.append(f"survivor results from ranks {sorted(final.results)} but the ledger ends with replicas {sorted(last)}")
+    if len({res['digest'] for res in final.results.values()}) > 1:
+        out.violations.append("surviving replicas hold different parameters")
 
-    code = proc.returncode
-    if markers["raised"]:
-        # A host fault must end a rank by death, the gate or the quorum rule, never by an exception.
-        out.violations.append("rank(s) raised: " + "; ".join(f"{r}: {t.splitlines()[-1] if t else '?'}" for r, t in sorted(markers["raised"].items())))
-    if ledger:
-        _write_reference(run, outdir / "reference.jsonl", len(ledger))
-        verdict = check_ledger(ledger_path, reference=str(outdir / "reference.jsonl"), rtol=1e-4)
-        if not verdict.ok:
-            out.violations.append(verdict.summary_line())
-    else:
-        out.violations.append("no ledger written")
-    stopped = code == NO_QUORUM_STATUS and not markers["ok"]
-    if pred.flap and stopped:
+    # The first attempt against the rule's prediction.
+    bounded = sorted(r for r, text in first.markers["exited"].items() if text.startswith("no quorum") and "did not finish within" in text)
+    no_quorum = sorted(r for r, text in first.markers["exited"].items() if text.startswith("no quorum"))
+    if pred.flap and out.relaunches and not bounded:
         # The detector's ring left the head's side without quorum: a stop the rule made; check it as one.
-        pred = Prediction(False, pred.final, stopped=frozenset(r for r, text in markers["exited"].items() if text.startswith("no quorum")))
+        pred = Prediction(False, pred.final, stopped=frozenset(no_quorum), flap=True)
         if not pred.stopped:
-            out.violations.append("the run stopped with status 75 but no rank left a no-quorum marker")
-    if pred.proceeds:
-        if len(ledger) != run.steps:
-            out.violations.append(f"ledger has {len(ledger)} steps, expected {run.steps}")
-        if pred.flap:
+            out.violations.append("the run after the flap was relaunched but no rank left a no-quorum marker")
+    if pred.host_lost:
+        out.no_quorum = False
+        victim = next((a.host for a in harness.applied if a.kind == "host_kill" and a.error is None), None)
+        if not out.relaunches:
+            out.violations.append("the host was lost with its daemon, yet the job was not relaunched")
+        elif victim is not None and not any(f"lost host(s): {victim}" in line for line in reasons[:1]):
+            out.violations.append(f"the supervisor's relaunch does not name the lost host {victim}: {reasons[:1]}")
+    elif pred.proceeds:
+        if out.relaunches:
+            out.bounded = bool(bounded)
+            if not bounded:
+                # In place was possible; only an agreement the MPI never returned from may end it.
+                out.violations.append(f"relaunched although the rule lets the head's side go on in place: {reasons[:1]}")
+        elif pred.flap:
             if not last or not last <= pred.final[0]:
                 out.violations.append(f"after the flap the last world is {sorted(last)}, not a part of {sorted(pred.final[0])}")
         elif frozenset(last) not in pred.final:
             out.violations.append(f"the last world is {sorted(last)}, the rule predicts {' or '.join(str(sorted(f)) for f in pred.final)}")
-        if {r // run.shards for r in results} != last:
-            out.violations.append(f"survivor results from ranks {sorted(results)} but the ledger ends with replicas {sorted(last)}")
-        if len({res['digest'] for res in results.values()}) > 1:
-            out.violations.append("surviving replicas hold different parameters")
         # A flap's lost ranks may also have been aborted by Open MPI itself (declared dead, then
         # told so once the link was back): only a partition's are held to the marker.
-        cut = [a for a in harness.applied if a.kind == "host_partition"]
-        for a in cut:
-            left = [r for r in a.ranks if r // run.shards not in last]
-            quiet = [r for r in left if not markers["exited"].get(r, "").startswith("no quorum")]
+        for a in (a for a in harness.applied if a.kind == "host_partition"):
+            left = [r for r in a.ranks if out.relaunches or r // run.shards not in last]
+            quiet = [r for r in left if not first.markers["exited"].get(r, "").startswith("no quorum")]
             if quiet:
                 out.violations.append(
                     f"cut-off rank(s) {quiet} on {a.host} did not leave with the no-quorum marker within {CUT_OFF_EXIT_BOUND_S:g}s of the cut"
                 )
             out.cut_off_left += len(left) - len(quiet)
-        if code != 0:
-            out.violations.append(f"the launcher's status is {code}, expected 0")
     else:
         out.no_quorum = True
-        if code != NO_QUORUM_STATUS:
-            out.violations.append(f"the launcher's status is {code}, expected {NO_QUORUM_STATUS} (no quorum)")
-        if len(ledger) >= run.steps:
-            out.violations.append(f"the rule lets no side go on, yet the ledger has all {len(ledger)} steps")
-        quiet = sorted(r for r in pred.stopped if not markers["exited"].get(r, "").startswith("no quorum"))
+        if not out.relaunches:
+            out.violations.append("the rule lets no side go on, yet the job was not relaunched")
+        quiet = sorted(r for r in pred.stopped if not first.markers["exited"].get(r, "").startswith("no quorum"))
         if quiet:
             out.violations.append(f"rank(s) {quiet} of the head's side did not leave with the no-quorum marker")
-        if results or markers["ok"]:
-            out.split_brain.append(f"no side may go on, yet rank(s) {sorted(set(results) | set(markers['ok']))} finished")
-    log_text = (outdir / "job.log").read_text(errors="replace")
+    if out.relaunches:
+        # The relaunch ran no faults: all of its ranks form the last world.
+        started = {r // run.shards for r in final.markers["started"]}
+        if started != last:
+            out.violations.append(f"the relaunch started replicas {sorted(started)} but its last world is {sorted(last)}")
+        out.relaunch_costs = [line.partition("cost ")[2] for line in _supervisor_lines(log_text) if " cost " in line]
+
     hit = [f for f in run.faults if not f["kind"].startswith("host_") and f"{f['kind']} rank {f['rank']} at step {f['step']} {f['phase']}" in log_text]
     # Every step of every run is also checked for silent data corruption: none was injected here.
-    out.sdc_checks = sum(res.get("sdc_checks", 0) for res in results.values())
-    out.sdc_detections = sum(res.get("sdc_detections", 0) for res in results.values())
-    events = [e for line in ledger for e in line.get("sdc", [])]
+    results = [res for a in attempts for res in a.results.values()]
+    out.sdc_checks = sum(res.get("sdc_checks", 0) for res in results)
+    out.sdc_detections = sum(res.get("sdc_detections", 0) for res in results)
+    events = [e for lg in ledgers for line in lg for e in line.get("sdc", [])]
     if events:
         out.violations.append(f"false positive: {len(events)} corruption event(s) in a run without injected corruption: {events}")
     applied = [{r // run.shards for r in a.ranks} for a in harness.applied if a.error is None]
     out.fired = len(hit) + len(applied)
-    lost = {r for line in ledger for r in line["faults"]}
+    lost = {r for lg in ledgers for line in lg for r in line["faults"]}
     # Handled: recorded as lost in a committed step, still in the last world (a flap nobody noticed),
-    # or the run stopped for want of quorum as the rule said it must.
+    # or the job was relaunched from its checkpoint and finished exactly.
     handled = [{f["rank"] // run.shards} for f in hit] + applied
-    out.recovered = sum(1 for replicas in handled if replicas <= lost | last or not pred.proceeds)
-    out.pauses = [p for line in ledger for p in line.get("pauses_s", [])]
+    out.recovered = sum(1 for replicas in handled if replicas <= lost | last or (out.relaunches and not out.violations))
+    out.pauses = [p for lg in ledgers for line in lg for p in line.get("pauses_s", [])]
     return out
 
 
@@ -760,7 +861,12 @@ def host_campaign(
             res = execute_on_hosts(run, pred, outdir / f"run{run.index:04d}", cluster, harness, bound_s, hang_timeout)
             outcomes.append(res)
             status = "OK" if not res.violations and not res.split_brain else "VIOLATION: " + "; ".join(res.split_brain + res.violations)
-            end = "no quorum (by the rule)" if res.no_quorum else "went on"
+            if res.relaunches:
+                why = "the host's daemon lost" if pred.host_lost else "no quorum (by the rule)" if res.no_quorum else (
+                    "an agreement that never returned (bounded)" if res.bounded else "?")
+                end = f"relaunched x{res.relaunches} ({why}; cost {'; '.join(res.relaunch_costs) or '?'})"
+            else:
+                end = "went on in place"
             print(f"[{run.index + 1}/{runs}] {run.describe()} [{'; '.join(res.host_faults)}] -> {end}, "
                   f"{res.recovered}/{res.fired} recovered in {res.seconds:.0f}s {status}", flush=True)
     return outcomes
@@ -804,6 +910,8 @@ def summary(outcomes: list[Outcome]) -> str:
             ("split brains", sum(1 for o in outcomes if o.split_brain)),
             ("host faults applied", sum(len(o.host_faults) for o in outcomes)),
             ("no-quorum stops (the rule's outcome)", sum(1 for o in outcomes if o.no_quorum)),
+            ("relaunched by the supervisor", f"{sum(1 for o in outcomes if o.relaunches)} (host lost {sum(1 for o in outcomes if o.relaunches and o.run.faults and any(f['kind'] == 'host_kill' for f in o.run.faults))}, "
+             f"no quorum {sum(1 for o in outcomes if o.relaunches and o.no_quorum)}, bounded agreement {sum(1 for o in outcomes if o.bounded)})"),
             ("cut-off ranks that left (no quorum)", sum(o.cut_off_left for o in outcomes)),
         ]
     if detects:
@@ -815,7 +923,7 @@ def summary(outcomes: list[Outcome]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["job"]:
-        job(argv[1])
+        job(argv[1], resume=RESUME_ARG in argv[2:])
         return 0
     # The driver (never a launched rank): orphans of a run re-parent to it instead of pid 1;
     # run_supervised ends each run's ranks by pid (mpiexec gives each its own process group).

@@ -680,7 +680,7 @@ def supervise(
     checkpoint write) is ended and judged "stalled". ``hosts`` None: this machine only.
     ``status_root``: where the attempts' status directories go (default: a temporary
     directory here); on several hosts it must be a directory every host shares, or the
-    markers of ranks elsewhere are lost. ``unbound``: ranks run unbound (see :func:`build_command`).
+    markers of ranks elsewhere are lost; it is kept, with one ``attempt-K`` directory per attempt. ``unbound``: ranks run unbound (see :func:`build_command`).
     """
     import tempfile
 
@@ -695,8 +695,12 @@ def supervise(
     relaunches = 0
     env_base = launch_env()
     if status_root is not None:
+        # Kept, with every attempt's markers (attempt-K/), as the plain launcher keeps it.
         os.makedirs(status_root, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="lightning-recover-supervise-", dir=status_root) as root:
+        where: Any = contextlib.nullcontext(tempfile.mkdtemp(prefix="supervise-", dir=status_root))
+    else:
+        where = tempfile.TemporaryDirectory(prefix="lightning-recover-supervise-")
+    with where as root:
         while True:
             status_dir = os.path.join(root, f"attempt-{relaunches}")
             os.makedirs(status_dir)

@@ -67,6 +67,7 @@ import io
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -112,6 +113,8 @@ _crash_hook_installed = False
 _crash_rank: int | None = None
 _started_rank: int | None = None
 _end_of_job: Callable[[], None] | None = None
+# The signal that is ending this rank although Python exits "normally" (see :func:`terminated_by`).
+_terminated: int | None = None
 # Communicators whose end of job ran (a process may run several jobs, e.g. one per test).
 _ended: weakref.WeakSet[FaultTolerantComm] = weakref.WeakSet()
 _warned_single = False
@@ -172,8 +175,40 @@ def start_rank(rank: int, world_size: int, end_of_job: Callable[[], None] | None
     _started_rank = rank
 
 
+def die_on_sigterm() -> None:
+    """Let SIGTERM end this rank at once, as the kernel's default does.
+
+    Lightning installs a SIGTERM handler for each ``fit``/``validate``/``test``/``predict``
+    that broadcasts over the default process group -- a collective no other rank joins, so
+    one SIGTERMed rank hung the whole job -- then ends the run with a status-0 exit. Here a
+    SIGTERM (mpiexec aborting the job, a scheduler draining a node) ends the rank like a
+    kill: its peers repair without it, and the launcher sees a rank that did not finish.
+    """
+    _default_disposition(signal.SIGTERM)
+
+
+def terminated_by(signum: int) -> None:
+    """This rank is ending because it was sent ``signum`` although Python will exit normally.
+
+    Lightning turns a SIGTERM during ``fit`` into ``SIGTERMException``, a ``SystemExit``
+    whose status is 0. Sent by mpiexec aborting the job, or by a scheduler, it means "die":
+    the exit handler then leaves at once with status ``128 + signum``, without the end-of-job
+    agreement and without an ``ok`` marker -- what a rank killed by the signal leaves --
+    so no launcher or supervisor reads a killed job as finished.
+    """
+    global _terminated
+    _terminated = signum
+
+
 def _exit_handler(rank: int) -> None:
     """The interpreter is exiting normally (a multi-rank crash never gets here): end the job, mark, leave fast."""
+    if _terminated is not None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(128 + _terminated)
     if _end_of_job is not None:
         try:
             _end_of_job()
@@ -332,8 +367,6 @@ def _default_disposition(sig: signal.Signals) -> None:
     overlapped reduction's helper thread (seen on fake hosts: ``ValueError: signal only
     works in main thread`` turned a gate exit into a crash). There the C library's
     ``signal`` resets the process-wide disposition that Python's handler sits on."""
-    import threading
-
     if threading.current_thread() is threading.main_thread():
         signal.signal(sig, signal.SIG_DFL)
         return

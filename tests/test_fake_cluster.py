@@ -128,6 +128,33 @@ def test_kill_ranks_spares_the_daemon_and_kill_host_takes_everything() -> None:
         assert subprocess.run([str(cluster.agent), cluster.hosts[0].name, "hostname"], capture_output=True, text=True).stdout.strip() == (
             cluster.hosts[0].name
         )
+        # Rebooted: a fresh host on the same name and address (empty /dev/shm), reachable again.
+        cluster.revive(1)
+        again = subprocess.run([str(cluster.agent), cluster.hosts[1].name, "sh", "-c", "hostname; ls /dev/shm | wc -l"],
+                               capture_output=True, text=True, timeout=30)
+        assert again.returncode == 0 and again.stdout.split() == [cluster.hosts[1].name, "0"], again
+        assert reachable(cluster, 0, 1)
+
+
+def test_the_ssh_stand_in_refuses_a_cut_off_host_and_never_answers_for_a_frozen_one() -> None:
+    # What the supervisor's probe (and mpiexec starting a daemon) meets, as with ssh on a real cluster.
+    from lightning_recover.launcher import probe_unreachable
+    from lightning_recover.supervision import Host
+
+    with FakeCluster(3) as cluster:
+        hosts = [Host(h.name, 1) for h in cluster.hosts[1:]]
+        extra = ["--prtemca", "plm_ssh_agent", str(cluster.agent)]
+        assert probe_unreachable(hosts, extra, timeout_s=10) == frozenset()
+        cluster.partition(1)
+        cluster.freeze(2)
+        refused = subprocess.run([str(cluster.agent), cluster.hosts[1].name, "true"], capture_output=True, text=True, timeout=30)
+        assert refused.returncode == 255 and "No route to host" in refused.stderr
+        with pytest.raises(subprocess.TimeoutExpired):
+            subprocess.run([str(cluster.agent), cluster.hosts[2].name, "true"], capture_output=True, timeout=2)
+        assert probe_unreachable(hosts, extra, timeout_s=2) == {cluster.hosts[1].name, cluster.hosts[2].name}
+        cluster.heal(1)
+        cluster.thaw(2)
+        assert probe_unreachable(hosts, extra, timeout_s=10) == frozenset()
 
 
 def test_freeze_and_thaw_stop_and_resume_every_process_of_a_host() -> None:

@@ -314,6 +314,10 @@ lifecycle.start_rank(rank, world)  # a second setup of the same rank changes not
 print("crash hook" if sys.excepthook is not hook else "python's hook", flush=True)
 if then == "raise":
     raise RuntimeError("crash")
+if then == "sigterm":  # what Lightning does with a SIGTERM during fit: SystemExit, status 0
+    import signal
+    lifecycle.terminated_by(signal.SIGTERM)
+    sys.exit()
 """
 
 
@@ -330,6 +334,14 @@ def test_start_rank_marks_started_and_ok_at_a_normal_exit(tmp_path: Path) -> Non
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "crash hook"
     assert markers == ["ok.5", "started.5"]
+
+
+def test_a_rank_ended_by_sigterm_leaves_as_killed_by_it_never_ok(tmp_path: Path) -> None:
+    # mpiexec aborting the job (or a scheduler) sends SIGTERM; Lightning turns it into a clean
+    # SystemExit. The launcher must read the rank as killed, not as one that finished.
+    proc, markers = _start(tmp_path, 1, 4, "sigterm")
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert markers == ["started.1"]
 
 
 def test_crashed_rank_leaves_started_and_raised_but_never_ok(tmp_path: Path) -> None:

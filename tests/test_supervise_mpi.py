@@ -204,3 +204,46 @@ def test_every_rank_killed_mid_run_is_relaunched_from_the_checkpoint_and_the_led
     verdict = check_ledger(ledger, reference=str(ref_dir / "ledger.jsonl"), rtol=1e-4)
     assert verdict.ok, f"{verdict.problems}\n{detail}"
     assert any(line.startswith("pretrain.py: done: 30 steps") for line in out.splitlines()), detail
+
+
+@pytest.mark.mpi
+def test_a_rank_sent_sigterm_is_a_lost_replica_never_a_finished_one(tmp_path: Path) -> None:
+    # mpiexec aborting a job, or a scheduler draining a node, sends SIGTERM. Lightning turns it into
+    # a clean SystemExit (status 0) during fit: the rank must still read as killed -- no ok marker,
+    # status 143 -- and the others go on without it, exactly as after a SIGKILL.
+    steps = ["model=tiny", "trainer.max_steps=20", "seed=3", "data.max_bytes=40000", *QUIET]
+    ref_dir = tmp_path / "ref"
+    reference = subprocess.Popen(
+        [sys.executable, SCRIPT, *steps, "recover.grad_accum=3", f"hydra.run.dir={ref_dir}"],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    run, status = tmp_path / "run", tmp_path / "status"
+    ledger = run / "ledger.jsonl"
+    job = _supervise(["-n", "3", "--status-dir", str(status)], [SCRIPT, *steps, "recover.grad_accum=1", f"hydra.run.dir={run}"])
+    deadline = time.monotonic() + 150
+    while _committed(ledger) < 5 and job.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    ranks = {int(_environ(pid).get("OMPI_COMM_WORLD_RANK", "-1")): pid for pid in _rank_pids(run)}
+    assert sorted(ranks) == [0, 1, 2] and job.poll() is None, f"ranks {ranks} at ledger line {_committed(ledger)}"
+    os.kill(ranks[2], signal.SIGTERM)
+    rc, out, err = _finish(job, timeout=200)
+    ref_rc, _, ref_err = _finish(reference, timeout=60)
+    detail = f"rc={rc}\n--- stdout ---\n{out[-2000:]}\n--- stderr ---\n{err[-6000:]}"
+    assert ref_rc == 0, ref_err[-3000:]
+    assert rc == 0, detail
+    markers = sorted(n for d in status.iterdir() for n in os.listdir(d))
+    assert "started.2" in markers and not {"ok.2", "exited.2", "raised.2"} & set(markers), f"{markers}\n{detail}"
+    assert {"ok.0", "ok.1"} <= set(markers), f"{markers}\n{detail}"
+    records = read_ledger(ledger)
+    assert [r["step"] for r in records] == list(range(20)) and all(r["B"] == 3 for r in records), detail
+    assert [r["step"] for r in records if 2 in r["faults"]] and records[-1]["replicas"] == [0, 1], detail
+    verdict = check_ledger(ledger, reference=str(ref_dir / "ledger.jsonl"), rtol=1e-4)
+    assert verdict.ok, f"{verdict.problems}\n{detail}"
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw.split(b"\0") if b"=" in item)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -48,6 +49,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_z
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -741,16 +743,25 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         return out
 
     # ------------------------------------------------------------------ evaluation
+    # Each run stage starts after the Trainer installed its SIGTERM handler (whose broadcast no
+    # other rank joins): a SIGTERM must end this rank like a kill instead (lifecycle.die_on_sigterm).
+    @override
+    def on_train_start(self) -> None:
+        lifecycle.die_on_sigterm()
+
     @override
     def on_validation_start(self) -> None:
+        lifecycle.die_on_sigterm()
         self._eval_batches = 0
 
     @override
     def on_test_start(self) -> None:
+        lifecycle.die_on_sigterm()
         self._eval_batches = 0
 
     @override
     def on_predict_start(self) -> None:
+        lifecycle.die_on_sigterm()
         self._eval_batches = 0
 
     @override
@@ -1119,6 +1130,14 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         )
 
     # ------------------------------------------------------------------ teardown
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException):
+            # A SIGTERM that came before the stage's start hook (lifecycle.die_on_sigterm): Lightning
+            # ends it with SystemExit, status 0, but the sender meant this rank to die.
+            lifecycle.terminated_by(signal.SIGTERM)
+        super().on_exception(exception)
+
     @override
     def teardown(self) -> None:
         if self.recruiter is not None:

@@ -274,6 +274,14 @@ if [ ! -f "$dir/$host.pid" ]; then
     echo "fake-cluster agent: host '$host' is down or unknown (no $dir/$host.pid)" >&2
     exit 255
 fi
+# As ssh to a node behind a dead link fails, and to a frozen node never answers (its sshd is stopped).
+if [ -f "$dir/$host.cut" ]; then
+    echo "fake-cluster agent: connect to host $host: No route to host (its link is down)" >&2
+    exit 255
+fi
+if [ -f "$dir/$host.frozen" ]; then
+    exec sleep infinity
+fi
 pid=$(cat "$dir/$host.pid")
 exec setsid -w nsenter -t "$pid" --net --uts --mount --ipc --wd="$PWD" -- /bin/sh -c "$*"
 """
@@ -520,7 +528,8 @@ class FakeCluster:
     ) -> list[str]:
         """``python -m lightning_recover.cli launch -n N ... -- COMMAND`` run on the head host, placing ranks on all hosts.
 
-        ``launcher_options``: more options of ``lightning-recover launch`` (``--status-dir D``, ``--supervise`` ...).
+        ``launcher_options``: more options of ``lightning-recover launch`` (``--status-dir D``, ``--supervise`` ...);
+        with ``--supervise`` the hosts go to the launcher's ``--hosts`` instead of mpiexec's ``--host``.
 
         ``map_by``: Open MPI's ``--map-by`` (``node``: rank r on host r % n_hosts, so a
         replica of consecutive ranks spans hosts; default: fill each host's slots in turn).
@@ -531,8 +540,14 @@ class FakeCluster:
             launch += ["--hang-timeout", f"{hang_timeout:g}"]
         if mpi_detector:
             launch.append("--mpi-detector")
+        mpi = self.mpi_args(map_by=map_by, slots=slots, hosts=hosts)
+        if "--supervise" in launcher_options:
+            # The supervisor places the job itself (--hosts), and drops the hosts it finds lost.
+            at = mpi.index("--host")
+            launch += ["--hosts", mpi[at + 1]]
+            mpi = mpi[:at] + mpi[at + 2 :]
         # "--mpi-arg=VALUE": VALUE itself starts with dashes, which argparse would take for an option otherwise.
-        launch += [*launcher_options, *(f"--mpi-arg={a}" for a in [*self.mpi_args(map_by=map_by, slots=slots, hosts=hosts), *extra])]
+        launch += [*launcher_options, *(f"--mpi-arg={a}" for a in [*mpi, *extra])]
         return self.enter_argv(self.head, cwd) + launch + ["--", *command]
 
     def launch(
@@ -637,8 +652,25 @@ class FakeCluster:
         _kill_namespace_processes(h.name)
         return pids
 
+    def revive(self, host: FakeHost | str | int) -> None:
+        """Bring a host lost whole (:meth:`kill_host`) back, as a rebooted node: a fresh anchor (new hostname
+        namespace, empty ``/dev/shm``) on the same address; the agent reaches it again."""
+        h = self.host(host)
+        with self._lock:
+            if h.name not in self._down:
+                return
+            old = self._anchors.pop(h.name, None)
+            if old is not None:
+                old.wait(timeout=5)
+                if old.stderr:
+                    old.stderr.close()
+            self._start_anchor(h)
+            self._down.discard(h.name)
+
     def freeze(self, host: FakeHost | str | int) -> list[int]:
-        """SIGSTOP every process on ``host`` (a frozen node); :meth:`thaw` resumes them. Returns the pids stopped."""
+        """SIGSTOP every process on ``host`` (a frozen node; the agent no longer answers for it, like ssh to
+        a node whose sshd is stopped); :meth:`thaw` resumes them. Returns the pids stopped."""
+        self._mark(host, "frozen", True)
         pids = self.processes(host)
         _signal_all(pids, signal.SIGSTOP)
         return pids
@@ -646,14 +678,28 @@ class FakeCluster:
     def thaw(self, host: FakeHost | str | int) -> None:
         """SIGCONT every process on ``host``."""
         _signal_all(self.processes(host), signal.SIGCONT)
+        self._mark(host, "frozen", False)
 
     def partition(self, host: FakeHost | str | int) -> None:
-        """Cut ``host`` off the network: its switch port goes down (the host keeps its address, routes and processes)."""
+        """Cut ``host`` off the network: its switch port goes down (the host keeps its address, routes and
+        processes; the agent refuses it, as ssh would: no route to host)."""
+        self._mark(host, "cut", True)
         _run(["ip", "-n", self.switch, "link", "set", self.host(host).port, "down"])
 
     def heal(self, host: FakeHost | str | int) -> None:
         """Bring ``host``'s switch port back up."""
         _run(["ip", "-n", self.switch, "link", "set", self.host(host).port, "up"])
+        self._mark(host, "cut", False)
+
+    def _mark(self, host: FakeHost | str | int, state: str, on: bool) -> None:
+        """The agent's view of ``host`` (a file ``HOST.STATE`` beside it: ``cut`` or ``frozen``)."""
+        if self.workdir is None:
+            return
+        path = self.workdir / f"{self.host(host).name}.{state}"
+        if on:
+            path.touch()
+        else:
+            path.unlink(missing_ok=True)
 
     def flap(self, host: FakeHost | str | int, down_s: float = 3.0) -> threading.Timer:
         """Take ``host``'s link down now and back up after ``down_s`` seconds (returns at once; the timer heals)."""

@@ -20,7 +20,7 @@ Use::
         env = {**os.environ, **harness.env()}          # the job's ranks must see the variable
         ... launch the job with env ...
     harness.applied                                    # what was done, when, to which ranks
-    harness.restore()                                  # links up, frozen hosts thawed (before the next job)
+    harness.restore()                                  # links up, frozen hosts thawed, lost hosts back (before the next job)
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class HostFaultHarness:
         self._thread: threading.Thread | None = None
         self._partitioned: set[str] = set()
         self._frozen: set[str] = set()
+        self._killed: set[str] = set()
         self._lock = threading.Lock()
 
     def env(self) -> dict[str, str]:
@@ -110,15 +111,19 @@ class HostFaultHarness:
     def restore(self, timeout: float = 30.0) -> None:
         """Undo what can be undone so the hosts serve the next job: every cut link up (and carrying
         traffic again: a job started before that lost a daemon that could not call back), every
-        frozen host thawed. :class:`TimeoutError` when a healed host stays unreachable for ``timeout`` s."""
+        frozen host thawed, every host lost whole brought back (a rebooted node).
+        :class:`TimeoutError` when a healed host stays unreachable for ``timeout`` s."""
         with self._lock:
             healed = sorted(self._partitioned)
             for name in healed:
                 self.cluster.heal(name)
             for name in sorted(self._frozen):
                 self.cluster.thaw(name)
+            for name in sorted(self._killed):
+                self.cluster.revive(name)
             self._partitioned.clear()
             self._frozen.clear()
+            self._killed.clear()
         for name in healed:
             self.cluster.wait_until(lambda name=name: self._reachable(name), timeout, f"host {name} reachable from the head after heal")
 
@@ -172,6 +177,7 @@ class HostFaultHarness:
             if kind == "host_ranks_kill":
                 self.cluster.kill_ranks(host)
             elif kind == "host_kill":
+                self._killed.add(host)
                 self.cluster.kill_host(host)
             elif kind == "host_freeze":
                 self._frozen.add(host)
