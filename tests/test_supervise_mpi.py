@@ -33,6 +33,14 @@ def _supervise(args: list[str], command: list[str]) -> subprocess.Popen[str]:
     return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
+def _reference(steps: list[str], grad_accum: int, run_dir: Path) -> subprocess.Popen[str]:
+    """The fault-free single-process run with B = ``grad_accum``: the ledger a fault-tolerant run must equal."""
+    return subprocess.Popen(
+        [sys.executable, SCRIPT, *steps, f"recover.grad_accum={grad_accum}", f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+
+
 def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]:
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -161,10 +169,7 @@ def test_every_rank_killed_mid_run_is_relaunched_from_the_checkpoint_and_the_led
     # ledger must equal the fault-free single-process run with B = 4 (grad_accum 4).
     steps = ["model=tiny", "trainer.max_steps=30", "seed=3", "data.max_bytes=40000", *QUIET]
     ref_dir = tmp_path / "ref"
-    reference = subprocess.Popen(
-        [sys.executable, SCRIPT, *steps, "recover.grad_accum=4", f"hydra.run.dir={ref_dir}"],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
+    reference = _reference(steps, 4, ref_dir)
     run = tmp_path / "run"
     ledger = run / "ledger.jsonl"
     job = _supervise(
@@ -213,10 +218,7 @@ def test_a_rank_sent_sigterm_is_a_lost_replica_never_a_finished_one(tmp_path: Pa
     # status 143 -- and the others go on without it, exactly as after a SIGKILL.
     steps = ["model=tiny", "trainer.max_steps=20", "seed=3", "data.max_bytes=40000", *QUIET]
     ref_dir = tmp_path / "ref"
-    reference = subprocess.Popen(
-        [sys.executable, SCRIPT, *steps, "recover.grad_accum=3", f"hydra.run.dir={ref_dir}"],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
+    reference = _reference(steps, 3, ref_dir)
     run, status = tmp_path / "run", tmp_path / "status"
     ledger = run / "ledger.jsonl"
     job = _supervise(["-n", "3", "--status-dir", str(status)], [SCRIPT, *steps, "recover.grad_accum=1", f"hydra.run.dir={run}"])
