@@ -28,7 +28,7 @@ test). Three parts, each printed as a table with its fitted growth:
    * ``commit``: -> the step's commit agreement returned True everywhere;
    * ``recovery``: SIGKILL -> committed everywhere (the sum of the above).
 
-   The value per N is the median over its faults. The ranks wait politely
+   The value per N is the median over its faults (``--repeats`` jobs per N pool theirs). The ranks wait politely
    (:mod:`lightning_recover.mpi_wait`: an oversubscribed host's reductions sleep instead of
    spinning), but ULFM's agreement and shrink are blocking MPI calls that poll: with 32 or
    64 ranks on 2 cores their time is mostly the scheduler's, and the curve measures this
@@ -92,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smoke test: ranks 4 8, 2 faults, planning at 100 and 1000 replicas")
     p.add_argument("--ranks", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="world sizes (one launched job each)")
     p.add_argument("--faults", type=int, default=3, help="ranks SIGKILLed per job, one per step (at most N - 2)")
+    p.add_argument("--repeats", type=int, default=1, help="jobs per world size; their faults are pooled")
     p.add_argument("--numel", type=int, default=256, help="fp32 elements reduced per step (tiny: layer 1's own cost)")
     p.add_argument("--bucket-bytes", type=int, default=256, help="bucket size of the communicator (4 buckets by default)")
     p.add_argument("--kill-at-bucket", type=int, default=2, help="the victim dies before this bucket (the ones before are stale)")
@@ -109,8 +110,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 setattr(args, key, value)
     if min(args.ranks) < 3:
         p.error("--ranks: every job needs at least 3 ranks (one is killed, two must survive)")
-    if args.faults < 1:
-        p.error("--faults must be >= 1")
+    if args.faults < 1 or args.repeats < 1:
+        p.error("--faults and --repeats must be >= 1")
     return args
 
 
@@ -220,18 +221,31 @@ def analyse_job(job: dict[str, Any], outdir: Path) -> dict[str, Any]:
                        "buckets_redone": rows[0]["buckets_redone"], "buckets_stale": rows[0]["buckets_stale"],
                        "repair_rounds": max(row["repair_rounds"] or 0 for row in rows),
                        "detected_in": sorted({row["detected_in"] for row in rows})})
-    medians = {q: statistics.median(f["times_s"][q] for f in faults) for q in (*PHASES, "recovery")}
     ready = [r["t_ready"] for r in ranks]
     return {
         "ranks": n,
         "faults": faults,
-        "median_s": medians,
+        # first rank process started -> last survivor's communicator up (the launch itself comes before)
         "startup_s": max(ready) - min(r["t_process"] for r in ranks),
-        "import_comm_s_median": statistics.median(r["import_comm_s"] for r in ranks),
+        # where a rank's start-up goes, slowest rank: MPI_Init, importing the communicator (torch), building it
+        "mpi_init_s_max": max(r["mpi_init_s"] for r in ranks),
+        "import_comm_s_max": max(r["import_comm_s"] for r in ranks),
+        "comm_init_s_max": max(r["comm_init_s"] for r in ranks),
         "peak_rss_mib_max": max(r["peak_rss_mib"] for r in ranks),
         "peak_rss_mib_sum": sum(r["peak_rss_mib"] for r in ranks),
         "torch_loaded": all(r["torch_loaded"] for r in ranks),
+        "polite_wait": all(r["polite_wait"] for r in ranks),
     }
+
+
+def pool(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One world size's jobs as one point: their faults pooled, the medians over them, the slowest start-up."""
+    faults = [f for pt in points for f in pt["faults"]]
+    out = dict(max(points, key=lambda pt: pt["startup_s"]))
+    out.update(faults=faults, jobs=len(points),
+               median_s={q: statistics.median(f["times_s"][q] for f in faults) for q in (*PHASES, "recovery")},
+               max_s={q: max(f["times_s"][q] for f in faults) for q in (*PHASES, "recovery")})
+    return out
 
 
 # ---------------------------------------------------------------------------------- policy
@@ -300,21 +314,28 @@ def print_growth(name: str, ns: Sequence[float], ts: Sequence[float], unit: str 
 
 
 def layer1(args: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
-    jobs, curve, failed = [], [], {}
+    jobs: list[dict[str, Any]] = []
+    curve: list[dict[str, Any]] = []
+    failed: dict[int, str] = {}
     for n in args.ranks:
-        outdir = tmp / f"ranks{n}"
-        job = run_job(n, args, outdir)
-        jobs.append({k: v for k, v in job.items() if k != "log_tail"})
-        try:
-            point = analyse_job(job, outdir)
-        except RuntimeError as exc:
-            failed[n] = str(exc)
-            print(f"[scaling] {n} ranks FAILED: {exc}", flush=True)
-            continue
-        curve.append(point)
-        m = point["median_s"]
-        print(f"[scaling] {n} ranks: recovery {fmt_s(m['recovery'])} (median of {len(point['faults'])} faults), "
-              f"start-up {point['startup_s']:.1f} s, job {job['wall_s']:.1f} s", flush=True)
+        points = []
+        for rep in range(args.repeats):
+            outdir = tmp / f"ranks{n}-{rep}"
+            job = run_job(n, args, outdir)
+            jobs.append({k: v for k, v in job.items() if k != "log_tail"})
+            try:
+                point = analyse_job(job, outdir)
+            except RuntimeError as exc:
+                failed[n] = str(exc)
+                print(f"[scaling] {n} ranks FAILED: {exc}", flush=True)
+                break
+            points.append(point)
+            print(f"[scaling] {n} ranks, job {rep + 1}/{args.repeats}: recovery "
+                  f"{fmt_s(statistics.median(f['times_s']['recovery'] for f in point['faults']))} "
+                  f"(median of {len(point['faults'])} faults), start-up {point['startup_s']:.1f} s, job {job['wall_s']:.1f} s",
+                  flush=True)
+        if n not in failed:
+            curve.append(pool(points))
     return jobs, curve, failed
 
 
@@ -341,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
               + f" {pt['startup_s']:>8.1f}s {pt['peak_rss_mib_max']:>6.0f}MiB")
     for n, why in failed.items():
         print(f"{n:>5} FAILED: {why.splitlines()[0]}")
+    if curve:
+        print("start-up of the slowest rank: " + ", ".join(
+            f"{pt['ranks']}: MPI_Init {pt['mpi_init_s_max']:.1f} s + import {pt['import_comm_s_max']:.1f} s + "
+            f"FaultTolerantComm {pt['comm_init_s_max']:.1f} s" for pt in curve))
     if len(curve) >= 2:
         print("fitted growth with the world size n (least squares over the medians):")
         ns = [pt["ranks"] for pt in curve]
@@ -363,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['W']:>6} {row['G']:>5} {str(row['fault']):>6} {row['bytes']:>8} {row['microbatch_ids_bytes']:>8} "
               f"{row['roles_bytes']:>8} {fmt_s(row['write_s']):>9}")
 
+    busy = [j["busy_cores_before"] for j in jobs if j["busy_cores_before"] is not None]
+    if busy and max(busy) > 0.5:
+        print(f"WARNING: other work kept up to {max(busy):.1f} cores busy before a job started; these numbers are noisy")
     leftovers = [e for j in jobs for e in j["leftovers"]]
     if leftovers:
         print(f"note: {len(leftovers)} process(es) outlived their launch and were ended by pid (see [cleanup] lines)")

@@ -60,7 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     victims = [int(v) for v in args.victims.split(",") if v]
-    from lightning_recover import lifecycle
+    from lightning_recover import lifecycle, mpi_wait
 
     lifecycle.prepare_mpi()
     from mpi4py import MPI  # MPI_Init happens here
@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         "t_ready": t_comm,
         "torch_loaded_before_comm": torch_before,
         "torch_loaded": "torch" in sys.modules,
+        "polite_wait": mpi_wait.polite(),  # the world's choice: reductions sleep instead of spinning
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "faults": faults,
     }
