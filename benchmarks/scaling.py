@@ -228,6 +228,7 @@ def analyse_job(job: dict[str, Any], outdir: Path) -> dict[str, Any]:
         # first rank process started -> last survivor's communicator up (the launch itself comes before)
         "startup_s": max(ready) - min(r["t_process"] for r in ranks),
         # where a rank's start-up goes, slowest rank: MPI_Init, importing the communicator (torch), building it
+        # (after a polite barrier that waits for the slowest importer: not counted in any of the three)
         "mpi_init_s_max": max(r["mpi_init_s"] for r in ranks),
         "import_comm_s_max": max(r["import_comm_s"] for r in ranks),
         "comm_init_s_max": max(r["comm_init_s"] for r in ranks),
