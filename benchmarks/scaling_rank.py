@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
         "polite_wait": mpi_wait.polite(),  # the world's choice: reductions sleep instead of spinning
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "faults": faults,
+        "t_done": time.monotonic(),
     }
     (args.out / f"rank{rank}.json").write_text(json.dumps(result_row))
     lifecycle.end_job(comm, exit_code=0)
