@@ -286,6 +286,12 @@ def predict(run: ChaosRun, flap_lost: bool = True) -> Prediction:
         if not keep:
             return Prediction(False, (), refused=f"the {f['kind']} at step {f['step']} leaves no replica on the head's side")
         verdict = quorum.decide(alive, keep, quorum.certain_losses(cut, present, host_of, replica_of), leader)
+        # The victims' replica-mates leave through the gate, before or after the survivors shrink: a
+        # race. Where the verdict depends on it (a mate the only witness on its host), no outcome is certain.
+        mates = [r for r in present if replica_of[r] not in keep]
+        gone = [r for r in present if r not in mates]
+        if mates and quorum.decide(alive, keep, quorum.certain_losses(cut + mates, gone, host_of, replica_of), leader).proceed != verdict.proceed:
+            return Prediction(False, (), refused=f"the verdict at step {f['step']} depends on whether replica-mates leave before the repair")
         if f["kind"] in ("host_partition", "host_flap"):
             far = {replica_of[r] for r in cut}
             other = quorum.decide(alive, far, quorum.certain_losses(present, cut, host_of, replica_of), leader)

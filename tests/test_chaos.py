@@ -124,6 +124,10 @@ def test_predict_follows_the_quorum_rule() -> None:
     # A host lost whole (its daemon too): Open MPI aborts the job, only a relaunch goes on.
     faults[1]["kind"] = "host_kill"
     assert predict(_hosts_run(4, 1, 2, 2, faults)) == Prediction(False, (), host_lost=True)
+    # 2 replicas x 2 shards, one per host: rank 0 killed. Its mate (rank 1, the only witness on the head
+    # host) leaves through the gate before or after the other replica shrinks; with it the loss is
+    # certain and replica 1 goes on, without it the tie lacks the leader and replica 1 stops: refused.
+    assert predict(_hosts_run(2, 2, 2, 2, [{"step": 0, "rank": 0, "phase": "forward", "kind": "kill"}])).refused is not None
     # An even split keeps the leader's side.
     assert predict(_hosts_run(2, 2, 2, 2, [{"step": 1, "rank": 2, "phase": "reduce", "kind": "host_freeze"}])) == Prediction(
         True, (frozenset({0}),))
