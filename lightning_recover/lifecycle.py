@@ -61,6 +61,7 @@ handlers still run and Python still reports its own exit status.
 from __future__ import annotations
 
 import atexit
+import errno
 import gc
 import hashlib
 import io
@@ -213,6 +214,8 @@ def _exit_handler(rank: int) -> None:
         try:
             _end_of_job()
         except BaseException as exc:  # the end itself failed: report it like any crash, never as "ok"
+            if _launcher_gone(exc):
+                os.kill(os.getpid(), CRASH_SIGNAL)
             sys.excepthook(type(exc), exc, exc.__traceback__)  # a multi-rank crash hook does not return
             mark_status("raised", rank, _describe(type(exc), exc))
             sys.stderr.flush()
@@ -310,6 +313,8 @@ def install_crash_hook(rank: int | None = None) -> None:
     previous = sys.excepthook
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: object) -> None:
+        if _launcher_gone(exc):
+            os.kill(os.getpid(), CRASH_SIGNAL)
         text = "".join(traceback.format_exception(exc_type, exc, tb))  # type: ignore[arg-type]
         first = _first_to_print(text)
         out = io.StringIO()
@@ -336,6 +341,26 @@ def install_crash_hook(rank: int | None = None) -> None:
 
     sys.excepthook = hook
     _crash_hook_installed = True
+
+
+def _launcher_gone(exc: BaseException) -> bool:
+    """``exc`` is a write to this rank's output, whose reader (mpiexec, or its daemon here) is gone.
+
+    When mpiexec aborts the job (a host lost with its daemon), a rank may still print on its
+    way down; the write fails with EPIPE. That is the job ending, not the program failing: the
+    rank then leaves as the abort meant it to, killed, with no ``raised`` marker that would tell
+    a supervisor the program is broken and a relaunch could not help."""
+    if not (isinstance(exc, OSError) and exc.errno == errno.EPIPE):
+        return False
+    import select
+
+    poll = select.poll()
+    for fd in (1, 2):
+        poll.register(fd, 0)  # POLLERR and POLLHUP are always reported: a pipe whose reader closed
+    try:
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0))
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------------- markers

@@ -344,6 +344,28 @@ def test_a_rank_ended_by_sigterm_leaves_as_killed_by_it_never_ok(tmp_path: Path)
     assert markers == ["started.1"]
 
 
+EPIPE = r"""
+import sys, time
+from lightning_recover import lifecycle
+lifecycle.start_rank(1, 4)
+time.sleep(0.5)  # meanwhile the reader of our output goes (mpiexec aborting the job)
+for _ in range(100):
+    print("x" * 1000, flush=True)
+"""
+
+
+def test_a_rank_whose_launcher_is_gone_leaves_as_killed_not_as_a_broken_program(tmp_path: Path) -> None:
+    # Printing into the pipe of an mpiexec that aborted the job fails with EPIPE: that is the job
+    # ending, and a "raised" marker would make a supervisor give up instead of relaunching.
+    env = {**os.environ, ENV_STATUS_DIR: str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-c", EPIPE], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()
+    proc.stderr.close()
+    assert proc.wait(timeout=60) == -lifecycle.CRASH_SIGNAL
+    assert sorted(os.listdir(tmp_path)) == ["started.1"]
+
+
 def test_crashed_rank_leaves_started_and_raised_but_never_ok(tmp_path: Path) -> None:
     # What the launcher reads as "this rank did not survive, because the program raised".
     proc, markers = _start(tmp_path, 2, 4, "raise")
