@@ -96,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torchft-low-pg-timeout", type=float, default=1.0,
                    help="torchft-low: ProcessGroupGloo timeout, s (5 s otherwise): a survivor whose all-reduce waits "
                         "on the dead group is held this long whatever the heartbeat says")
+    p.add_argument("--standbys", type=int, default=2,
+                   help="recover-rejoin: recover.rejoin_standbys, warm standbys kept ahead of the kills (0 = cold spawns)")
     p.add_argument("--cr-every", type=int, default=10, help="cr: checkpoint every N steps")
     p.add_argument("--timeout", type=float, default=900, help="hard limit per system run, seconds")
     p.add_argument("--quiet-wait", type=float, default=5.0,
@@ -239,7 +241,7 @@ def run_recover(args: argparse.Namespace, name: str, outdir: Path, *, rejoin: bo
     job = [sys.executable, str(JOB), "--system", "recover", "--shards", "1", "--grad-accum", str(args.grad_accum),
            "--mbs", str(args.mbs), "--steps", str(args.steps), "--size", args.size, "--out", str(outdir)]
     if rejoin:
-        job.append("--rejoin")
+        job += ["--rejoin", "--rejoin-standbys", str(args.standbys)]
     cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(REPLICAS), "--", *job]
     run = Run(name)
     ledger = JsonlTail(outdir / "ledger.jsonl")
