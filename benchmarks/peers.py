@@ -10,7 +10,9 @@ B = 4 x G microbatches (4 replicas x 1 rank, AdamW, the same seed and initial we
 for ``--steps`` committed optimizer steps, and loses the same replicas at the same steps:
 
 * ``recover`` / ``recover-rejoin``: ReCoVerHSDPStrategy in one ``lightning-recover launch``
-  job (``benchmarks/bench_job.py --system recover``), without and with hot re-join.
+  job (``benchmarks/bench_job.py --system recover``), without and with hot re-join; with
+  re-join the leader keeps ``--standbys`` warm standbys (``recover.rejoin_standbys``,
+  default 2: one per planned kill; 0 = replacements spawned cold after each loss).
 * ``torchft`` / ``torchft-<ms>``: torchft as its README and ``train_ddp.py`` run it: the Rust
   ``torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000``
   (``--heartbeat_timeout_ms``: its default 5000 with ProcessGroupGloo(5 s); and for

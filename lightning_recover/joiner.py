@@ -1,4 +1,5 @@
-"""Entry point of a replacement rank: ``python -m lightning_recover.joiner SEAT SCRIPT [ARGS...]``.
+"""Entry point of a replacement rank: ``python -m lightning_recover.joiner SEAT SCRIPT [ARGS...]``,
+or of a warm standby: ``python -m lightning_recover.joiner --standby SPEC SCRIPT [ARGS...]``.
 
 The survivors spawn this (:mod:`lightning_recover.rejoin`); nobody runs it by hand. It
 initializes MPI and merges with the survivors first -- before the script imports torch and
@@ -6,6 +7,14 @@ Lightning, which takes seconds -- so the survivors' Spawn returns about as fast 
 interpreter starts and they train on while this process gets ready. Then it runs the
 user's script under its original argv; the strategy finds the seat with
 :func:`lightning_recover.rejoin.seat` and joins at a step boundary.
+
+A standby (see "Warm standbys" in :mod:`lightning_recover.rejoin`) merges with the leader
+alone, imports the strategy and the installed packages the script imports at its top level
+(:func:`installed_imports`; never the user's own modules), tells the leader it is warm and
+sleeps until it gets a seat -- then it runs the script exactly as a replacement does, merged
+with the survivors only once its script reached admission -- or ``quit`` (training ended).
+It has no timer while it waits (a job may never lose a replica); it leaves when the leader
+that spawned it is gone.
 
 A timer bounds the whole wait: a replacement that is not admitted within the seat's
 timeout (its attempt was dropped, the survivors died or finished) leaves by itself; if it

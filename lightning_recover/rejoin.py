@@ -64,6 +64,48 @@ of them once GO was sent -- from the pid and start time each sent right after th
 A Spawn that never returns (a child killed before MPI_Init completed) leaves a parked
 daemon thread behind: the attempt is dropped by its timeout, bounded by the attempt limit.
 
+**Warm standbys** (``recover.rejoin_standbys = n``). A cold replacement spends most of its
+time before the loss could matter to it: starting Python and MPI, importing torch and
+Lightning, running the script's set-up (on this project's 2-core machine, 8-15 s of the
+13-29 s measured from the kill to contributing again). So the leader keeps ``n`` standbys
+spawned ahead of any loss, each one replica's processes::
+
+    SPAWN    the leader alone Spawns S processes from MPI_COMM_SELF (a background thread;
+             the next one only once the others are warm) and Merges them into a *link*
+             (leader rank 0). They run ``python -m lightning_recover.joiner --standby``:
+             say hello (pid) on the link, import the strategy and the installed packages the
+             script imports at its top level (nothing of the user's own code), say WARM, and
+             sleep, looking at the link every :data:`STANDBY_POLL_S` (no core taken).
+    SEAT     a replica is lost: at the next boundary the leader sends a warm standby the
+             lost replica's seat (no collective: only the leader knows its standbys). The
+             standby starts its timer and runs the script as that replica's ranks, up to
+             admission, where it sends CONNECT on the link.
+    START    at the first boundary after CONNECT the leader decides START for that replica;
+             every survivor duplicates its world and Accepts on a port the leader opened and
+             sent over the link (a background thread); the standby Connects and both sides
+             Merge (survivors first). From here on it is a replacement like any other: READY,
+             ADMIT or DROP above.
+
+Why the merge waits for the script: a standby's merged communicator is made from the
+survivors' world *after* its script set up, so a loss among the survivors during the
+script costs nothing; a loss during the short merge-and-admit window drops the attempt as
+usual (a repair), but a standby's replacement keeps its seat and sends CONNECT again (its
+timer restarts). ``MPI_Intercomm_create`` between the link and the world would need no port,
+but it crashed Open MPI 5.0.11's ``coll/han`` on the merged communicator here;
+Accept/Connect exchanges what ``han`` needs. A standby whose leader dies leaves by itself
+(an MPI error on the link, or the leader's pid gone from this host); the new leader spawns
+its own. At the end of training the leader tells its standbys to leave (``quit``) and
+fences (SIGKILL, same host) those that never said hello. A standby that dies is counted:
+after ``rejoin_attempts`` in a row the leader spawns no more and replacements are spawned
+cold again. Drops caused by the survivors' own repair (any attempt) are not failures:
+no backoff, not counted against ``rejoin_attempts``.
+
+**Where a replacement's time goes.** Each replacement prints one line as its first step
+starts, from the milestones it reached (:data:`MILESTONES`, :func:`breakdown`): spawn to
+Python, MPI and merge, (standby) imports and wait, the script's imports and set-up, model
+and optimizer, (standby) merge, the wait for a step boundary, the growth and transfer, and
+the total since the loss. The leader's "re-joined" line says how long after the loss.
+
 A replacement's program sees the job it joins, not its spawn: the joiner sets
 ``OMPI_COMM_WORLD_SIZE`` and ``OMPI_COMM_WORLD_RANK`` to the job's size and the logical rank
 taken over, and the survivors' ``LR_*`` / ``LIGHTNING_RECOVER_*`` variables
@@ -496,7 +538,10 @@ class Recruiter:
             if idle is None:
                 break
             self._seat(idle, r)
-        while len(self.pool) < self.standbys and self.standby_failures < self.attempts:
+        # One standby starts at a time: on hosts whose cores the training ranks use, two importing
+        # torch at once would both be ready late, where one after the other has the first ready early.
+        while (len(self.pool) < self.standbys and self.standby_failures < self.attempts
+               and all(len(sb.warm) == self.shards for sb in self.pool)):
             self._spawn_standby()
 
     def _forget(self, sb: Standby, reason: str) -> None:

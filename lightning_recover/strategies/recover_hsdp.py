@@ -641,11 +641,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         joins = self.engine.admit([Join(r, transfer_s=done - grown, pause_s=done - started) for r in live()])
         self._on_membership()
         lost_at = self.recruiter.lost_at
-        since = "" if lost_at is None else f"{time.time() - lost_at:.2f} s after the loss, "
+        since = "" if lost_at is None else f"; {time.time() - lost_at:.2f} s after the loss"
         if self.global_rank == 0:
             print(
                 f"[lightning-recover] world epoch {comm.world_epoch}: replica(s) {[j.replica for j in joins]} re-joined "
-                f"({since}state transfer {done - grown:.2f} s, survivors paused {done - started:.2f} s); alive {list(comm.alive_replicas)}",
+                f"(state transfer {done - grown:.2f} s, survivors paused {done - started:.2f} s{since}); alive {list(comm.alive_replicas)}",
                 file=sys.stderr, flush=True,
             )
 
