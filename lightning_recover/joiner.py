@@ -188,6 +188,46 @@ def installed_imports(script: str) -> list[str]:
     return out
 
 
+#: The niceness a standby imports at on an oversubscribed host (CFS gives it ~1/10 of a busy rank's share).
+STANDBY_NICE = 10
+
+
+def yield_while_warming() -> Callable[[], None]:
+    """Lower this process's CPU priority for a standby's warm-up; returns what restores it.
+
+    Only when the priority can be restored (root, or an ``RLIMIT_NICE`` that allows it):
+    a seated standby becomes a training rank, and one stuck at a low priority would be
+    every step's straggler. Otherwise nothing changes. Linux keeps a niceness per thread:
+    threads started during the warm-up inherit it, so the restore covers every thread."""
+    import resource
+
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    except (OSError, AttributeError, ValueError):
+        return lambda: None
+    can_restore = os.geteuid() == 0 or (soft != resource.RLIM_INFINITY and 20 - soft <= base) or soft == resource.RLIM_INFINITY
+    if not can_restore:
+        return lambda: None
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, base + STANDBY_NICE))
+    except OSError:
+        return lambda: None
+
+    def restore() -> None:
+        try:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+        except OSError:
+            tids = [0]
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, base)
+            except OSError:
+                pass  # a thread that ended meanwhile
+
+    return restore
+
+
 def _leader_alive(spec: dict[str, object]) -> Callable[[], bool]:
     """Whether the leader that spawned this standby still runs (checked by pid on its host; elsewhere
     an MPI error on the link tells)."""
@@ -217,6 +257,7 @@ def standby(spec_json: str, script_argv: list[str]) -> None:
     rejoin.mark("merged")
     alive = _leader_alive(spec)
     rejoin.leader_alive = alive
+    restore = yield_while_warming() if spec.get("yield_cpu") else (lambda: None)
     _warm_up(script_argv[0])
     rejoin.mark("warm")
     if not rejoin.tell_leader(link, rejoin.TAG_WARM):
@@ -224,6 +265,7 @@ def standby(spec_json: str, script_argv: list[str]) -> None:
     msg = rejoin.wait_on_link(link, alive)
     if msg is None or "seat" not in msg:
         os._exit(0)  # dismissed (training ended) or the leader is gone: nothing to leave behind
+    restore()  # from here on it is a training rank's start-up: its full share of the cores
     rejoin.mark("seated")
     seat = rejoin.Seat.from_json(str(msg["seat"]))
     _leave_after(float(seat.context.get("timeout_s", 120.0)), f"standby {spec.get('number')}")

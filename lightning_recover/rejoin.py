@@ -562,8 +562,12 @@ class Recruiter:
         self.spawned_standbys += 1
         sb = Standby(self.spawned_standbys)
         start = lifecycle.process_start_time(os.getpid())
+        from lightning_recover import mpi_wait
+
+        # On a host whose cores the job's ranks already share, the standby's imports would take
+        # cores from training: it yields them (see joiner.yield_while_warming).
         spec = {"number": sb.number, "leader_pid": os.getpid(), "leader_start": start, "leader_host": _host_checksum(),
-                "spawned_at": sb.spawned_at}
+                "spawned_at": sb.spawned_at, "yield_cpu": mpi_wait.polite()}
         args = ["-m", "lightning_recover.joiner", "--standby", json.dumps(spec), *self.argv]
         info = self._spawn_info()
 
