@@ -373,6 +373,7 @@ class Recruiter:
         self.standby_failures = 0
         #: Wall-clock time of the survivors' latest loss (:meth:`note_loss`), for the replacements' breakdown.
         self.lost_at: float | None = None
+        self._training = False
 
     def note_loss(self) -> None:
         """The survivors repaired their world: the clock of "capacity back" starts now."""
@@ -519,11 +520,13 @@ class Recruiter:
         """Whether this job's missing replicas come from standbys (else from cold spawns): the leader's view."""
         return self.standbys > 0 and (bool(self.pool) or bool(self.seated)) and self.standby_failures < self.attempts
 
-    def tend(self) -> None:
+    def tend(self, *, training: bool = True) -> None:
         """The leader, at every step boundary: keep :attr:`standbys` standbys, seat idle ones on missing
-        replicas, and notice deaths. Never blocks and sends only to processes that said hello."""
+        replicas, and notice deaths. Never blocks and sends only to processes that said hello.
+        ``training=False`` (the job still sets up): a standby spawned now imports at full priority."""
         if not self.comm.is_leader or self.standbys <= 0:
             return
+        self._training = training
         for sb in [*self.pool, *self.seated]:
             self._poll_standby(sb)
             if sb.error is not None and (self.attempt is None or self.attempt.standby is not sb):
@@ -564,10 +567,11 @@ class Recruiter:
         start = lifecycle.process_start_time(os.getpid())
         from lightning_recover import mpi_wait
 
-        # On a host whose cores the job's ranks already share, the standby's imports would take
-        # cores from training: it yields them (see joiner.yield_while_warming).
+        # On a host whose cores the job's ranks already share, a standby spawned during training
+        # would take cores from it: it yields them (see joiner.yield_while_warming). One spawned
+        # while the job sets up races the job's first loss instead, at full priority.
         spec = {"number": sb.number, "leader_pid": os.getpid(), "leader_start": start, "leader_host": _host_checksum(),
-                "spawned_at": sb.spawned_at, "yield_cpu": mpi_wait.polite()}
+                "spawned_at": sb.spawned_at, "yield_cpu": mpi_wait.polite() and self._training}
         args = ["-m", "lightning_recover.joiner", "--standby", json.dumps(spec), *self.argv]
         info = self._spawn_info()
 

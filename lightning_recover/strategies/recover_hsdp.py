@@ -393,7 +393,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             self.recruiter = self._make_recruiter()
             if self._joining is None:
                 # Standbys start now, while this job still sets up, not after its first loss.
-                self.recruiter.tend()
+                self.recruiter.tend(training=False)
 
     def _make_recruiter(self) -> rejoin.Recruiter:
         assert self.comm is not None and self.layout is not None
