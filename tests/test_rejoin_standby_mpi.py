@@ -76,3 +76,19 @@ def test_two_losses_close_together_are_both_served_by_standbys(tmp_path: Path) -
     joins = joins_by_replica(records)
     assert [j["ok"] for j in joins[1]] == [True] and [j["ok"] for j in joins[3]] == [True], joins
     assert all(r["B"] == 8 for r in records)
+
+
+def test_the_leaders_death_orphans_its_standby_which_leaves_and_the_new_leader_brings_replica_0_back(tmp_path: Path) -> None:
+    """4 replicas, 1 standby: rank 0 -- the leader, whose link the standby hangs on -- is SIGKILLed
+    in step 3. Its standby leaves by itself (its leader is gone), the new leader (rank 1) spawns
+    its own, which takes replica 0's seat; the job ends with 4 replicas and nothing left over."""
+    argv = ["--steps", "40", "--rejoin", "--rejoin-standbys", "1", "--slow-while-degraded", "0.5"]
+    job = train_worker(4, tmp_path, argv, [kill(3, 0)], timeout=300)
+    assert job.returncode == 0, job.describe()
+    results = assert_reference_run(job, argv, 4)
+    assert sorted(results) == [0, 1, 2, 3], job.describe()
+    assert all(r["alive"] == [0, 1, 2, 3] for r in results.values())
+    err = job.stderr
+    assert "standby 1 takes the seat of replica 0" in err, job.describe()
+    joins = joins_by_replica(ledger_lines(job))
+    assert [j["ok"] for j in joins[0]] == [True], joins
