@@ -13,8 +13,10 @@ alone, imports the strategy and the installed packages the script imports at its
 (:func:`installed_imports`; never the user's own modules), tells the leader it is warm and
 sleeps until it gets a seat -- then it runs the script exactly as a replacement does, merged
 with the survivors only once its script reached admission -- or ``quit`` (training ended).
-It has no timer while it waits (a job may never lose a replica); it leaves when the leader
-that spawned it is gone.
+Its start-up is bounded by ``rejoin_timeout_s`` like a replacement's; once the leader heard
+that it is warm it has no timer (a job may never lose a replica): it leaves when the leader
+that spawned it is gone (an MPI error on the link, or the leader's pid gone from this host;
+a leader on another host that dies unreported leaves its standby waiting).
 
 A timer bounds the whole wait: a replacement that is not admitted within the seat's
 timeout (its attempt was dropped, the survivors died or finished) leaves by itself; if it
@@ -96,6 +98,15 @@ def _leave_after(seconds: float, rank_hint: str) -> threading.Timer:
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.alarm(max(1, math.ceil(seconds)) + _BACKSTOP_S)
     return timer
+
+
+def _disarm() -> None:
+    """Cancel the timer and its SIGALRM backstop (a standby that reached its indefinite wait)."""
+    global _timer, _timer_args
+    if _timer is not None:
+        _timer.cancel()
+    _timer, _timer_args = None, None
+    signal.alarm(0)
 
 
 def restart_timer() -> None:
@@ -245,6 +256,9 @@ def standby(spec_json: str, script_argv: list[str]) -> None:
         rejoin._marks["spawned"] = float(spec["spawned_at"])
     except (ValueError, KeyError, TypeError):
         raise SystemExit(f"lightning_recover.joiner --standby: {spec_json!r} is not the leader's JSON spec") from None
+    # Bounded until the leader has heard that it is warm: a standby whose leader ended meanwhile
+    # (training finished while it started) must not wait in MPI's start-up or a send forever.
+    _leave_after(float(spec.get("timeout_s", 120.0)), f"standby {spec.get('number')}")
     lifecycle.prepare_mpi()
     from mpi4py import MPI
 
@@ -262,6 +276,7 @@ def standby(spec_json: str, script_argv: list[str]) -> None:
     rejoin.mark("warm")
     if not rejoin.tell_leader(link, rejoin.TAG_WARM):
         os._exit(0)  # the leader is gone
+    _disarm()  # from here on it waits as long as the job may run; its leader's end ends it
     msg = rejoin.wait_on_link(link, alive)
     if msg is None or "seat" not in msg:
         os._exit(0)  # dismissed (training ended) or the leader is gone: nothing to leave behind

@@ -571,7 +571,7 @@ class Recruiter:
         # would take cores from it: it yields them (see joiner.yield_while_warming). One spawned
         # while the job sets up races the job's first loss instead, at full priority.
         spec = {"number": sb.number, "leader_pid": os.getpid(), "leader_start": start, "leader_host": _host_checksum(),
-                "spawned_at": sb.spawned_at, "yield_cpu": mpi_wait.polite() and self._training}
+                "spawned_at": sb.spawned_at, "yield_cpu": mpi_wait.polite() and self._training, "timeout_s": self.timeout_s}
         args = ["-m", "lightning_recover.joiner", "--standby", json.dumps(spec), *self.argv]
         info = self._spawn_info()
 
