@@ -10,7 +10,10 @@ B = 4 x G microbatches (4 replicas x 1 rank, AdamW, the same seed and initial we
 for ``--steps`` committed optimizer steps, and loses the same replicas at the same steps:
 
 * ``recover`` / ``recover-rejoin``: ReCoVerHSDPStrategy in one ``lightning-recover launch``
-  job (``benchmarks/bench_job.py --system recover``), without and with hot re-join.
+  job (``benchmarks/bench_job.py --system recover``), without and with hot re-join; with
+  re-join the leader keeps ``--standbys`` warm standbys (``recover.rejoin_standbys``,
+  default 2: one per planned kill); ``recover-rejoin-cold`` spawns the replacements cold
+  after each loss (no standbys), as re-join did before standbys existed.
 * ``torchft`` / ``torchft-<ms>``: torchft as its README and ``train_ddp.py`` run it: the Rust
   ``torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000``
   (``--heartbeat_timeout_ms``: its default 5000 with ProcessGroupGloo(5 s); and for
@@ -79,7 +82,7 @@ REPLICAS = 4
 #: bench_job.py's defaults (goodput.run_cr passes neither): every system uses the same.
 SEED = 7
 CORPUS_BYTES = 2_000_000
-ALL_SYSTEMS = ("recover-ff", "recover", "recover-rejoin", "torchft-ff", "torchft", "torchft-low", "cr-ff", "cr")
+ALL_SYSTEMS = ("recover-ff", "recover", "recover-rejoin", "recover-rejoin-cold", "torchft-ff", "torchft", "torchft-low", "cr-ff", "cr")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -96,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torchft-low-pg-timeout", type=float, default=1.0,
                    help="torchft-low: ProcessGroupGloo timeout, s (5 s otherwise): a survivor whose all-reduce waits "
                         "on the dead group is held this long whatever the heartbeat says")
+    p.add_argument("--standbys", type=int, default=2,
+                   help="recover-rejoin: recover.rejoin_standbys, warm standbys kept ahead of the kills (0 = cold spawns)")
     p.add_argument("--cr-every", type=int, default=10, help="cr: checkpoint every N steps")
     p.add_argument("--timeout", type=float, default=900, help="hard limit per system run, seconds")
     p.add_argument("--quiet-wait", type=float, default=5.0,
@@ -234,12 +239,12 @@ def planner_indices(args: argparse.Namespace) -> Callable[[int], list[int]]:
 
 # ------------------------------------------------------------------------------- ReCoVer
 def run_recover(args: argparse.Namespace, name: str, outdir: Path, *, rejoin: bool, kills: list[tuple[int, int]],
-                indices: Callable[[int], list[int]]) -> Run:
+                indices: Callable[[int], list[int]], standbys: int = 0) -> Run:
     outdir.mkdir(parents=True, exist_ok=True)
     job = [sys.executable, str(JOB), "--system", "recover", "--shards", "1", "--grad-accum", str(args.grad_accum),
            "--mbs", str(args.mbs), "--steps", str(args.steps), "--size", args.size, "--out", str(outdir)]
     if rejoin:
-        job.append("--rejoin")
+        job += ["--rejoin", "--rejoin-standbys", str(standbys)]
     cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(REPLICAS), "--", *job]
     run = Run(name)
     ledger = JsonlTail(outdir / "ledger.jsonl")
@@ -558,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         outdir = work / name
         stat0, cpu0, t0 = _proc_stat(), _children_cpu(), time.time()
         if name.startswith("recover"):
-            run = run_recover(args, name, outdir, rejoin=name == "recover-rejoin", kills=kills, indices=indices)
+            run = run_recover(args, name, outdir, rejoin=name.startswith("recover-rejoin"), kills=kills, indices=indices,
+                              standbys=0 if name == "recover-rejoin-cold" else args.standbys)
         elif name.startswith("torchft"):
             low = name == "torchft-low"
             hb = args.torchft_heartbeat_ms if low else 5000
@@ -587,16 +593,16 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{REPLICAS} replicas x 1 rank on {os.cpu_count()} cores, model {args.size}, {args.steps} steps, B = {B} x {args.mbs} "
           f"samples; benchmark took {total:.0f} s")
-    hdr = (f"{'system':15s} {'wall s':>7s} {'committed':>9s} {'samples/s':>9s} {'pause/kill s':>13s} {'capacity back s':>16s} "
+    hdr = (f"{'system':20s} {'wall s':>7s} {'committed':>9s} {'samples/s':>9s} {'pause/kill s':>13s} {'capacity back s':>16s} "
            f"{'max|dloss|':>10s} {'batch min/mean':>14s} {'lost':>5s} {'repeated':>8s} {'others':>6s}")
     print(hdr)
     print("-" * len(hdr))
     for n, m in table.items():
         if "committed_samples" not in m:
-            print(f"{n:15s} FAILED (no committed steps)")
+            print(f"{n:20s} FAILED (no committed steps)")
             continue
         md = m.get("max_dloss")
-        print(f"{n:15s} {m['wall_s']:7.1f} {m['committed_samples']:9d} {m['throughput']:9.1f} "
+        print(f"{n:20s} {m['wall_s']:7.1f} {m['committed_samples']:9d} {m['throughput']:9.1f} "
               f"{fmt_list(m['pause_s']):>13s} {fmt_list(m['capacity_back_s'], '.1f'):>16s} "
               f"{('%.1e' % md) if md is not None else '-':>10s} {m['batch_min']:>5d}/{m['batch_mean']:<8.2f} "
               f"{m.get('samples_lost', '-')!s:>5s} {m.get('samples_repeated', '-')!s:>8s} "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,9 +112,7 @@ def read_corpus(path: str | os.PathLike[str] | None = None, max_bytes: int = 4_0
     if root.is_file():
         return root.read_bytes()[:max_bytes]
     chunks, total = [], 0
-    for f in sorted(p for p in root.rglob("*") if p.suffix in {".py", ".txt", ".md", ".rst"} and p.is_file()):
-        if "site-packages" in f.parts or "test" in f.parts:
-            continue
+    for f in _text_files(root):
         data = f.read_bytes()
         chunks.append(data)
         total += len(data)
@@ -122,6 +121,32 @@ def read_corpus(path: str | os.PathLike[str] | None = None, max_bytes: int = 4_0
     if not chunks:
         raise FileNotFoundError(f"no text files (*.py, *.txt, *.md, *.rst) under {str(root)!r}; set data.corpus")
     return b"\n".join(chunks)[:max_bytes]
+
+
+#: What a corpus directory contributes, and the directories it skips (installed packages, test suites).
+TEXT_SUFFIXES = {".py", ".txt", ".md", ".rst"}
+SKIPPED_DIRS = {"site-packages", "test"}
+
+
+def _text_files(root: Path) -> Iterator[Path]:
+    """The text files under ``root`` in ``sorted()`` order of their paths, lazily.
+
+    Walking one directory at a time in name order yields the same order as sorting every path
+    (paths compare part by part), without listing the skipped directories (the stdlib's
+    site-packages holds most of its files) and stopping as soon as the caller has enough:
+    every rank, and every re-join replacement, reads the corpus at start-up.
+    Symlinked directories are not entered (as ``Path.rglob``)."""
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except OSError:
+        return
+    for e in entries:
+        path = Path(e.path)
+        if e.is_dir():
+            if not e.is_symlink() and e.name not in SKIPPED_DIRS:
+                yield from _text_files(path)
+        elif path.suffix in TEXT_SUFFIXES and path.is_file():
+            yield path
 
 
 class ByteDataset(Dataset):

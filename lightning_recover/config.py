@@ -237,6 +237,12 @@ class RecoverConfig:
         rejoin_backoff_s: wait after a failed attempt before the next (doubling each time).
         rejoin_timeout_s: a replacement not ready to join this long after its spawn was
             started is given up (it exits by itself; the attempt counts as failed).
+        rejoin_standbys: warm standbys the leader keeps (with ``rejoin``): replica-sized
+            groups of processes spawned ahead of any loss, which imported torch and
+            Lightning and sleep until a replica is lost; one then runs the script as the
+            lost replica's ranks at once. Each costs a process per shard (its memory, no
+            core while it waits) for the whole run. 0 = replacements are spawned cold
+            after a loss.
         overlap: start each step's cross-replica reduction during its last backward,
             bucket by bucket as backward produces the gradients (:mod:`~.recovery.overlap`);
             recovery rounds stay synchronous. False = reduce after the last backward.
@@ -268,6 +274,7 @@ class RecoverConfig:
     rejoin_attempts: int = 3
     rejoin_backoff_s: float = 5.0
     rejoin_timeout_s: float = 120.0
+    rejoin_standbys: int = 0
     overlap: bool = True
     sync_every_microbatch: bool = False
 
@@ -325,6 +332,8 @@ class RecoverConfig:
         if self.rejoin_hosts is not None and (not isinstance(self.rejoin_hosts, str) or not self.rejoin_hosts.strip()):
             raise _refuse("rejoin_hosts", self.rejoin_hosts, "a comma-separated host list", "e.g. recover.rejoin_hosts=node7,node8 (null: the launch's hosts)")
         _set(self, "rejoin_attempts", _integer("rejoin_attempts", self.rejoin_attempts, 1, "set recover.rejoin_attempts to a positive integer"))
+        _set(self, "rejoin_standbys", _integer("rejoin_standbys", self.rejoin_standbys, 0,
+                                               "set recover.rejoin_standbys to the warm standbys to keep (0 = none)"))
         for key, fix in (
             ("rejoin_backoff_s", "set recover.rejoin_backoff_s to the seconds between spawn attempts"),
             ("rejoin_timeout_s", "set recover.rejoin_timeout_s to the seconds a replacement may take to start"),

@@ -1,4 +1,5 @@
-"""Entry point of a replacement rank: ``python -m lightning_recover.joiner SEAT SCRIPT [ARGS...]``.
+"""Entry point of a replacement rank: ``python -m lightning_recover.joiner SEAT SCRIPT [ARGS...]``,
+or of a warm standby: ``python -m lightning_recover.joiner --standby SPEC SCRIPT [ARGS...]``.
 
 The survivors spawn this (:mod:`lightning_recover.rejoin`); nobody runs it by hand. It
 initializes MPI and merges with the survivors first -- before the script imports torch and
@@ -6,6 +7,16 @@ Lightning, which takes seconds -- so the survivors' Spawn returns about as fast 
 interpreter starts and they train on while this process gets ready. Then it runs the
 user's script under its original argv; the strategy finds the seat with
 :func:`lightning_recover.rejoin.seat` and joins at a step boundary.
+
+A standby (see "Warm standbys" in :mod:`lightning_recover.rejoin`) merges with the leader
+alone, imports the strategy and the installed packages the script imports at its top level
+(:func:`installed_imports`; never the user's own modules), tells the leader it is warm and
+sleeps until it gets a seat -- then it runs the script exactly as a replacement does, merged
+with the survivors only once its script reached admission -- or ``quit`` (training ended).
+Its start-up is bounded by ``rejoin_timeout_s`` like a replacement's; once the leader heard
+that it is warm it has no timer (a job may never lose a replica): it leaves when the leader
+that spawned it is gone (an MPI error on the link, or the leader's pid gone from this host;
+a leader on another host that dies unreported leaves its standby waiting).
 
 A timer bounds the whole wait: a replacement that is not admitted within the seat's
 timeout (its attempt was dropped, the survivors died or finished) leaves by itself; if it
@@ -39,6 +50,10 @@ makes the drop prompt.) After admission the script's exit is the script's.
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
+import json
 import math
 import os
 import runpy
@@ -46,8 +61,10 @@ import signal
 import sys
 import threading
 import time
-from typing import NoReturn
 import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
 
 from lightning_recover import lifecycle, rejoin
 
@@ -56,22 +73,47 @@ from lightning_recover import lifecycle, rejoin
 _BACKSTOP_S = 15
 
 
+_timer: threading.Timer | None = None
+_timer_args: tuple[float, str] | None = None
+
+
 def _leave_after(seconds: float, rank_hint: str) -> threading.Timer:
     """Leave if not admitted within ``seconds``: a timer thread says why and exits; SIGALRM
     (its default action ends the process) backs it up, since a process stuck in MPI_Init --
-    its survivors gone -- never gives the timer thread the interpreter."""
+    its survivors gone -- never gives the timer thread the interpreter. A second call
+    replaces the first timer."""
+    global _timer, _timer_args
+    if _timer is not None:
+        _timer.cancel()
+    _timer_args = (seconds, rank_hint)
 
     def expire() -> None:
         if not _admitted.is_set():
             print(f"[lightning-recover] replacement {rank_hint}: not admitted after {seconds:g} s; leaving", file=sys.stderr, flush=True)
             os._exit(0)
 
-    timer = threading.Timer(seconds, expire)
+    timer = _timer = threading.Timer(seconds, expire)
     timer.daemon = True
     timer.start()
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
     signal.alarm(max(1, math.ceil(seconds)) + _BACKSTOP_S)
     return timer
+
+
+def _disarm() -> None:
+    """Cancel the timer and its SIGALRM backstop (a standby that reached its indefinite wait)."""
+    global _timer, _timer_args
+    if _timer is not None:
+        _timer.cancel()
+    _timer, _timer_args = None, None
+    signal.alarm(0)
+
+
+def restart_timer() -> None:
+    """A standby's replacement asks to be merged again (its attempt was dropped by the survivors'
+    repair): it gets the full ``rejoin_timeout_s`` again."""
+    if _timer_args is not None and not _admitted.is_set():
+        _leave_after(*_timer_args)
 
 
 #: Set by the strategy once this process is a member of the world (then the timer is moot).
@@ -107,33 +149,160 @@ def _left_before_admission(rank: int, how: str) -> NoReturn:
     raise AssertionError("unreachable: SIGKILL ends the process")  # for the type checker
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) < 2:
-        raise SystemExit("usage: python -m lightning_recover.joiner SEAT SCRIPT [ARGS...] (spawned by lightning-recover)")
-    seat = rejoin.Seat.from_json(argv[0])
-    timeout = float(seat.context.get("timeout_s", 120.0))
-    _leave_after(timeout, f"of attempt {seat.attempt}")
+def _warm_up(script: str) -> list[str]:
+    """What a standby does before it sleeps: import the strategy (torch, Lightning) and the installed
+    packages the script imports at its top level (:func:`installed_imports`), so that the script,
+    once seated, finds them loaded. Nothing of the user's own code runs before the seat is known.
+    Returns the modules imported; one that fails to import is left to the script."""
+    import lightning_recover.strategies  # noqa: F401
+
+    done = ["lightning_recover.strategies"]
+    for name in installed_imports(script):
+        try:
+            importlib.import_module(name)
+        except Exception:  # the script will raise it itself, with its own context
+            continue
+        done.append(name)
+    return done
+
+
+def installed_imports(script: str) -> list[str]:
+    """The modules ``script`` imports at its top level that are installed packages (found outside the
+    script's directory and the working directory), in order; relative imports and the user's own
+    modules are left out, since importing them may run the user's code."""
+    try:
+        tree = ast.parse(Path(script).read_text(), filename=script)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    own = {Path(script).resolve().parent, Path.cwd().resolve()}
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.append(node.module)
+    out: list[str] = []
+    for name in names:
+        top = name.split(".")[0]
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            continue
+        origin = getattr(spec, "origin", None) if spec is not None else None
+        if origin is None or origin in ("built-in", "frozen"):
+            continue
+        path = Path(origin).resolve()
+        if any(d == path.parent or d in path.parents for d in own) and top != "lightning_recover":
+            continue  # the user's own module (next to the script or in the working directory)
+        if name not in out:
+            out.append(name)
+    return out
+
+
+#: The niceness a standby imports at on an oversubscribed host (CFS gives it ~1/10 of a busy rank's share).
+STANDBY_NICE = 10
+
+
+def yield_while_warming() -> Callable[[], None]:
+    """Lower this process's CPU priority for a standby's warm-up; returns what restores it.
+
+    Only when the priority can be restored (root, or an ``RLIMIT_NICE`` that allows it):
+    a seated standby becomes a training rank, and one stuck at a low priority would be
+    every step's straggler. Otherwise nothing changes. Linux keeps a niceness per thread:
+    threads started during the warm-up inherit it, so the restore covers every thread."""
+    import resource
+
+    try:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    except (OSError, AttributeError, ValueError):
+        return lambda: None
+    can_restore = os.geteuid() == 0 or (soft != resource.RLIM_INFINITY and 20 - soft <= base) or soft == resource.RLIM_INFINITY
+    if not can_restore:
+        return lambda: None
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, min(19, base + STANDBY_NICE))
+    except OSError:
+        return lambda: None
+
+    def restore() -> None:
+        try:
+            tids = [int(t) for t in os.listdir("/proc/self/task")]
+        except OSError:
+            tids = [0]
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, base)
+            except OSError:
+                pass  # a thread that ended meanwhile
+
+    return restore
+
+
+def _leader_alive(spec: dict[str, object]) -> Callable[[], bool]:
+    """Whether the leader that spawned this standby still runs (checked by pid on its host; elsewhere
+    an MPI error on the link tells)."""
+    pid, start, host = spec.get("leader_pid"), spec.get("leader_start"), spec.get("leader_host")
+    if not isinstance(pid, int) or host != rejoin._host_checksum():
+        return lambda: True
+    return lambda: lifecycle.process_start_time(pid) == start
+
+
+def standby(spec_json: str, script_argv: list[str]) -> None:
+    """A warm standby: merge with the leader, import, say WARM, then sleep until a seat (or ``quit``)."""
+    rejoin.mark("python")
+    try:
+        spec = dict(json.loads(spec_json))
+        rejoin._marks["spawned"] = float(spec["spawned_at"])
+    except (ValueError, KeyError, TypeError):
+        raise SystemExit(f"lightning_recover.joiner --standby: {spec_json!r} is not the leader's JSON spec") from None
+    # Bounded until the leader has heard that it is warm: a standby whose leader ended meanwhile
+    # (training finished while it started) must not wait in MPI's start-up or a send forever.
+    _leave_after(float(spec.get("timeout_s", 120.0)), f"standby {spec.get('number')}")
     lifecycle.prepare_mpi()
     from mpi4py import MPI
 
     parent = MPI.Comm.Get_parent()
     if parent == MPI.COMM_NULL:
-        raise SystemExit("lightning_recover.joiner runs only as a spawned replacement (no parent communicator)")
-    merged = parent.Merge(high=True)
-    merged.Set_errhandler(MPI.ERRORS_RETURN)
-    rejoin.say_hello(merged)
+        raise SystemExit("lightning_recover.joiner --standby runs only as a spawned standby (no parent communicator)")
+    link = parent.Merge(high=True)
+    link.Set_errhandler(MPI.ERRORS_RETURN)
+    rejoin.say_hello(link)
+    rejoin.mark("merged")
+    alive = _leader_alive(spec)
+    rejoin.leader_alive = alive
+    restore = yield_while_warming() if spec.get("yield_cpu") else (lambda: None)
+    _warm_up(script_argv[0])
+    rejoin.mark("warm")
+    if not rejoin.tell_leader(link, rejoin.TAG_WARM):
+        os._exit(0)  # the leader is gone
+    _disarm()  # from here on it waits as long as the job may run; its leader's end ends it
+    msg = rejoin.wait_on_link(link, alive)
+    if msg is None or "seat" not in msg:
+        os._exit(0)  # dismissed (training ended) or the leader is gone: nothing to leave behind
+    restore()  # from here on it is a training rank's start-up: its full share of the cores
+    rejoin.mark("seated")
+    seat = rejoin.Seat.from_json(str(msg["seat"]))
+    _leave_after(float(seat.context.get("timeout_s", 120.0)), f"standby {spec.get('number')}")
+    _run(seat, None, script_argv, link=link)
+
+
+def _run(seat: rejoin.Seat, merged: object, script_argv: list[str], link: object = None) -> None:
+    """Run the user's script as the replacement of ``seat`` (merged now, or by connect() for a standby)."""
+    from mpi4py import MPI
+
     children = MPI.COMM_WORLD.Dup()
     children.Set_errhandler(MPI.ERRORS_RETURN)
-    joining = rejoin.Joining(seat, children, merged)
+    joining = rejoin.Joining(seat, children, merged, link)  # type: ignore[arg-type]
     rejoin._set_joining(joining)
     try:
         os.environ.update(job_environment(seat, children.Get_rank()))
     except SystemExit as exc:
         print(exc, file=sys.__stderr__, flush=True)
         _left_before_admission(joining.rank, "its seat could not be read")
-    sys.argv = argv[1:]
+    sys.argv = script_argv
     try:
-        runpy.run_path(argv[1], run_name="__main__")
+        runpy.run_path(script_argv[0], run_name="__main__")
     except SystemExit as exc:
         if _admitted.is_set():
             raise
@@ -149,6 +318,29 @@ def main(argv: list[str]) -> None:
         _left_before_admission(joining.rank, "the script raised")
     if not _admitted.is_set():
         _left_before_admission(joining.rank, "the script ended")
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) >= 3 and argv[0] == "--standby":
+        standby(argv[1], argv[2:])
+        return
+    if len(argv) < 2:
+        raise SystemExit("usage: python -m lightning_recover.joiner [--standby SPEC | SEAT] SCRIPT [ARGS...] (spawned by lightning-recover)")
+    rejoin.mark("python")
+    seat = rejoin.Seat.from_json(argv[0])
+    timeout = float(seat.context.get("timeout_s", 120.0))
+    _leave_after(timeout, f"of attempt {seat.attempt}")
+    lifecycle.prepare_mpi()
+    from mpi4py import MPI
+
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        raise SystemExit("lightning_recover.joiner runs only as a spawned replacement (no parent communicator)")
+    merged = parent.Merge(high=True)
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    rejoin.say_hello(merged)
+    rejoin.mark("merged")
+    _run(seat, merged, argv[1:])
 
 
 if __name__ == "__main__":

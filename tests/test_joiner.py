@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lightning_recover import joiner, rejoin
@@ -39,3 +41,39 @@ def test_survivors_forward_only_the_jobs_own_settings(monkeypatch: pytest.Monkey
     env = rejoin.job_environ()
     assert env["LR_RUN_STAMP"] == "stamp" and env["LIGHTNING_RECOVER_MPI_WAIT"] == "sleep"
     assert not any(k.startswith(("OMPI_", "PMIX_")) for k in env), env
+
+
+def test_a_standby_imports_only_installed_packages_the_script_imports_at_its_top_level(tmp_path: Path) -> None:
+    """Nothing of the user's own code runs before a standby has its seat: modules next to the
+    script, relative imports and imports inside functions are left to the script."""
+    (tmp_path / "mymodel.py").write_text("raise SystemExit('must not be imported by a standby')\n")
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import json, torch\n"
+        "import mymodel\n"
+        "from lightning.pytorch import Trainer\n"
+        "from . import sibling\n"
+        "def main():\n"
+        "    import numpy\n"
+    )
+    names = joiner.installed_imports(str(script))
+    assert names == ["json", "torch", "lightning.pytorch"]
+    assert joiner.installed_imports(str(tmp_path / "missing.py")) == []
+
+
+def test_the_breakdown_names_each_phase_reached_and_the_time_since_the_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rejoin, "_marks", {"python": 101.0, "merged": 101.5, "strategy": 104.0, "ready": 104.5, "go": 105.0})
+    line = rejoin.breakdown(100.0, lost_at=99.0)
+    assert line == ("spawn to Python 1.00 s, MPI start and merge 0.50 s, script imports and set-up 2.50 s, "
+                    "model, optimizer, Lightning set-up 0.50 s, waiting for a step boundary 0.50 s; 6.00 s after the loss")
+    with pytest.raises(ValueError, match="unknown re-join milestone 'nap'"):
+        rejoin.mark("nap")
+
+
+def test_standby_count_is_validated_naming_the_value() -> None:
+    from lightning_recover.config import ConfigurationError, RecoverConfig
+
+    assert RecoverConfig(rejoin=True, rejoin_standbys=2).rejoin_standbys == 2
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigurationError, match="rejoin_standbys"):
+            RecoverConfig(rejoin_standbys=bad)

@@ -393,6 +393,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.comm.guard_writes(guarded)
         if c.rejoin:
             self.recruiter = self._make_recruiter()
+            if self._joining is None:
+                # Standbys start now, while this job still sets up, not after its first loss.
+                self.recruiter.tend(training=False)
 
     def _make_recruiter(self) -> rejoin.Recruiter:
         assert self.comm is not None and self.layout is not None
@@ -409,7 +412,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
         return rejoin.Recruiter(
             self.comm, hosts=c.rejoin_hosts, attempts=c.rejoin_attempts, backoff_s=c.rejoin_backoff_s,
-            timeout_s=c.rejoin_timeout_s, context=context,
+            timeout_s=c.rejoin_timeout_s, context=context, standbys=c.rejoin_standbys, shards=c.shards,
         )
 
     def _start_replacement(self, joining: rejoin.Joining) -> None:
@@ -417,6 +420,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
         It becomes a member of the world in ``setup`` (:meth:`_join_world`), once its model
         and optimizer exist to receive the live state."""
+        rejoin.mark("strategy")
         lifecycle.install_crash_hook(joining.rank)
         self._refuse_several_devices()
         self._check_planes()
@@ -538,14 +542,30 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
         assert self.comm is not None and self.engine is not None and self.layout is not None
         assert self.probes is not None
-        attempt = joining.seat.attempt
-        self.probes.fault_point("join_startup", step=attempt)
-        with self.probes.waiting():
-            go = rejoin.await_admission(joining, lambda: self.probes.fault_point("join_ready", step=attempt))  # type: ignore[union-attr]
-        if not go:
-            rejoin.give_up(joining, "the survivors dropped this re-join attempt or finished training")
-        if not self.comm.grow(joining.merged):
-            rejoin.give_up(joining, "a member died while the world grew")
+        self.probes.fault_point("join_startup", step=joining.seat.attempt)
+        rejoin.mark("ready")
+        while True:
+            if joining.link is not None:
+                # A standby's replacement: merged only now, so that a loss among the survivors while
+                # its script set up never cost it its seat.
+                with self.probes.waiting():
+                    if not rejoin.connect(joining):
+                        rejoin.give_up(joining, "the leader that spawned this standby is gone or training ended")
+            attempt = joining.seat.attempt
+            with self.probes.waiting():
+                decision = rejoin.await_admission(joining, lambda: self.probes.fault_point("join_ready", step=attempt))  # type: ignore[union-attr]
+            if decision == "go":
+                if self.comm.grow(joining.merged):
+                    break
+                why = "a member died while the world grew"
+            else:
+                why = "the survivors dropped this re-join attempt or finished training"
+            if decision == "abort" or joining.link is None:
+                rejoin.give_up(joining, why)
+            # A standby's replacement whose attempt the survivors' own repair dropped asks again.
+            joining.merged = None
+            joiner.restart_timer()
+        rejoin.mark("go")
         joiner.admitted()
         lifecycle.start_rank(self.comm.rank, self.layout.world_size, end_of_job=self.shutdown)
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
@@ -561,6 +581,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             return rejoin.recv_state(comm, source, self._device_mesh if self.config.shards > 1 else None, self.root_device)
 
         checkpoint = self.engine.run_collective(receive)
+        rejoin.mark("state")
         state = checkpoint[checkpoint_io.STATE_KEY]
         self._take_over(state)
         self.engine.admit([Join(r) for r in replicas if r in comm.alive_replicas])
@@ -586,6 +607,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         if self.recruiter is None or self.engine is None or self._joining is not None:
             return
         recruiter = self.recruiter
+        recruiter.tend()  # the leader's standbys: never blocks
         # Never at an epoch's first step: Lightning would restore the replacement's loop into the previous epoch.
         attempt = self.engine.run_collective(lambda: recruiter.boundary(can_admit=batch_idx > 0))
         if attempt is not None:
@@ -620,10 +642,12 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         done = time.perf_counter()
         joins = self.engine.admit([Join(r, transfer_s=done - grown, pause_s=done - started) for r in live()])
         self._on_membership()
+        lost_at = self.recruiter.lost_at
+        since = "" if lost_at is None else f"; {time.time() - lost_at:.2f} s after the loss"
         if self.global_rank == 0:
             print(
                 f"[lightning-recover] world epoch {comm.world_epoch}: replica(s) {[j.replica for j in joins]} re-joined "
-                f"(state transfer {done - grown:.2f} s, survivors paused {done - started:.2f} s); alive {list(comm.alive_replicas)}",
+                f"(state transfer {done - grown:.2f} s, survivors paused {done - started:.2f} s{since}); alive {list(comm.alive_replicas)}",
                 file=sys.stderr, flush=True,
             )
 
@@ -701,6 +725,12 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             # A replacement's first step: from here on it is a member like any other.
             assert self.probes is not None
             self.probes.fault_point("joined", step=self._joining.seat.attempt)
+            rejoin.mark("first_step")
+            seat = self._joining.seat
+            lost_at = seat.context.get("lost_at")
+            print(f"[lightning-recover] replacement for rank {self.comm.rank if self.comm else '?'} (attempt {seat.attempt}) "  # type: ignore[union-attr]
+                  f"starts its first step: {rejoin.breakdown(seat.spawned_at, lost_at if isinstance(lost_at, float) else None)}",
+                  file=sys.stderr, flush=True)
             self._joining = None
         step = self.engine.begin(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
         # The microbatches planned now run first; the last of them reduce-scatters inside the
@@ -915,8 +945,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     def _on_repair(self, res: RepairResult) -> None:
         """A repair moved leadership, perhaps to this rank: Lightning's rank-zero gates follow."""
         self._on_membership()
-        if self.recruiter is not None and self.recruiter.attempt is not None:
-            self.recruiter.drop(f"the survivors' world was repaired (lost replica(s) {list(res.lost_replicas)})", notify=False)
+        if self.recruiter is not None:
+            self.recruiter.note_loss()
+            if self.recruiter.attempt is not None:
+                self.recruiter.drop(f"the survivors' world was repaired (lost replica(s) {list(res.lost_replicas)})",
+                                    notify=False, repaired=True)
         if self.comm is not None and self.global_rank == 0:
             print(
                 f"[lightning-recover] world epoch {self.comm.world_epoch}: lost replica(s) {list(res.lost_replicas)}; "
