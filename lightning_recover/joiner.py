@@ -59,6 +59,7 @@ import os
 import runpy
 import signal
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -166,6 +167,10 @@ def _warm_up(script: str) -> list[str]:
     return done
 
 
+def _under(path: Path, directories: set[Path]) -> bool:
+    return any(d == path.parent or d in path.parents for d in directories)
+
+
 def installed_imports(script: str) -> list[str]:
     """The modules ``script`` imports at its top level that are installed packages (found outside the
     script's directory and the working directory), in order; relative imports and the user's own
@@ -175,6 +180,8 @@ def installed_imports(script: str) -> list[str]:
     except (OSError, SyntaxError, ValueError):
         return []
     own = {Path(script).resolve().parent, Path.cwd().resolve()}
+    # A virtual environment inside the project (./.venv) is still installed packages, not the user's code.
+    installed = {Path(p).resolve() for k, p in sysconfig.get_paths().items() if k in ("purelib", "platlib", "stdlib", "platstdlib")}
     names: list[str] = []
     for node in tree.body:
         if isinstance(node, ast.Import):
@@ -192,7 +199,7 @@ def installed_imports(script: str) -> list[str]:
         if origin is None or origin in ("built-in", "frozen"):
             continue
         path = Path(origin).resolve()
-        if any(d == path.parent or d in path.parents for d in own) and top != "lightning_recover":
+        if _under(path, own) and not _under(path, installed) and top != "lightning_recover":
             continue  # the user's own module (next to the script or in the working directory)
         if name not in out:
             out.append(name)
