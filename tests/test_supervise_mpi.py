@@ -83,8 +83,11 @@ def test_stall_watchdog_ends_a_hung_job_and_the_relaunch_resumes(tmp_path: Path)
     assert _lines(err, "the job finished after 1 relaunch(es)"), detail
     (cost,) = _lines(err, "relaunch 1 cost")
     assert "replay 1.0 s (2 step(s) since the checkpoint)" in cost, cost
-    # The markers went to --status-dir (the worker's ok marker there is what made attempt 2 "done"), cleaned up after.
-    assert (tmp_path / "shared").is_dir() and not list((tmp_path / "shared").iterdir())
+    # The markers went to --status-dir (the worker's ok marker there is what made attempt 2 "done"), kept, one
+    # directory per attempt, as the plain launcher keeps its own.
+    (kept,) = (tmp_path / "shared").iterdir()
+    assert sorted(d.name for d in kept.iterdir()) == ["attempt-0", "attempt-1"], detail
+    assert "ok.0" in os.listdir(kept / "attempt-1") and "ok.0" not in os.listdir(kept / "attempt-0"), detail
 
 
 @pytest.mark.mpi
