@@ -274,12 +274,14 @@ class StepEngine:
             if failed_at is None:
                 failed_at = time.perf_counter()
             self._recover(runner)
-        self.dispatch("on_before_commit", st)
-        if failed_at is not None:
-            st.pauses.append(time.perf_counter() - failed_at)
+        # The agreed sums first: on_before_commit callbacks decide on them (BufferSync reads
+        # its vote there; read before they were set, every step looked like a buffer change).
         st.loss = float(head_out[0]) / max(1.0, float(head_out[1]))
         st.logged_totals = step_values.unpack(logged_out, keys)
         st.vote_totals = {k: float(v) for k, v in zip(votes, head_out[5:])}
+        self.dispatch("on_before_commit", st)
+        if failed_at is not None:
+            st.pauses.append(time.perf_counter() - failed_at)
         # Constant divisor: B microbatches (times the shards, whose FSDP reduce-scatter sums),
         # never the number of survivors.
         divisor = st.plan.divisor * self.shards
