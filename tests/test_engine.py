@@ -671,3 +671,26 @@ def test_random_failure_schedules_keep_the_invariants(sc: Scenario) -> None:
     assert dead_replicas <= hit, f"replicas {sorted(dead_replicas - hit)} died without a scripted failure"
     assert {k.rank // sc.shards for k in out.world.fired} <= dead_replicas
     assert out.survivors, "no replica finished"
+
+
+
+def test_the_overlap_helper_thread_is_reused_across_steps() -> None:
+    # A thread per step cost a start-up hand-shake on every step's path; one helper serves every round.
+    import threading
+
+    from lightning_recover.recovery.overlap import HelperThread
+
+    helper = HelperThread()
+    ran: list[int | None] = []
+    for _ in range(3):
+        assert helper.idle
+        done = helper.submit(lambda: ran.append(threading.get_ident()))
+        assert done.wait(10)
+    assert len(ran) == 3 and len(set(ran)) == 1 and ran[0] != threading.get_ident()
+    gate = threading.Event()
+    done = helper.submit(lambda: gate.wait(10))
+    assert not helper.idle
+    with pytest.raises(RuntimeError, match="still running"):
+        helper.submit(lambda: None)
+    gate.set()
+    assert done.wait(10)
