@@ -116,7 +116,15 @@ class OverlappedReduction:
         self._send, self._out = list(send), list(out)
         self._before, self._after = before_bucket, after_bucket
         # Which plane tensors each bucket waits for.
-        self._needs = [{ti for ti, _, _ in b.segments} for b in handle.buckets]
+        needs = [{ti for ti, _, _ in b.segments} for b in handle.buckets]
+        # Per bucket, how many of its tensors are not ready yet; per tensor, its buckets. The
+        # helper is woken only when a bucket's count reaches zero, not once per gradient (a
+        # wake-up per parameter only to wait again cost GIL hand-offs during backward).
+        self._missing = [len(n) for n in needs]
+        self._buckets_of: dict[int, list[int]] = {}
+        for b, n in enumerate(needs):
+            for ti in n:
+                self._buckets_of.setdefault(ti, []).append(b)
         self._ready: set[int] = set()
         self._all = False
         self._cond = threading.Condition()
@@ -136,8 +144,15 @@ class OverlappedReduction:
         with self._cond:
             if tensor is not None:
                 self._send[plane_index] = tensor
+            if plane_index in self._ready:
+                return
             self._ready.add(plane_index)
-            self._cond.notify_all()
+            completed = False
+            for b in self._buckets_of.get(plane_index, ()):
+                self._missing[b] -= 1
+                completed |= self._missing[b] == 0
+            if completed:
+                self._cond.notify_all()
 
     def sent(self, plane_index: int) -> Any:
         """The tensor the round sends (or sent) at ``plane_index``."""
@@ -177,7 +192,7 @@ class OverlappedReduction:
     def _before_bucket(self, index: int) -> None:
         self.in_collective = False
         with self._cond:
-            self._cond.wait_for(lambda: self._all or self._needs[index] <= self._ready)
+            self._cond.wait_for(lambda: self._all or self._missing[index] == 0)
         if self._before is not None:
             self._before(index)
         self.in_collective = True
