@@ -35,7 +35,7 @@ records ``time.perf_counter()`` at the ``on_train_batch_end`` where
 world (the ledger's ``loss`` for ReCoVer) and rank 0 appends it to ``loss.jsonl``.
 
 Outputs in ``--out``: ``clock.json`` (rank 0; per-step end times), ``ledger.jsonl``
-(ReCoVer), ``loss.jsonl`` (cr), ``kill{i}.marker`` (cr), ``ckpt/`` (cr).
+(ReCoVer), ``params.pt`` (ReCoVer with ``--save-params``: rank 0's final parameters), ``loss.jsonl`` (cr), ``kill{i}.marker`` (cr), ``ckpt/`` (cr).
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kills", default="[]", help='cr: JSON list of {"step": t, "rank": r}')
     ap.add_argument("--ckpt-every", type=int, default=0, help="cr: ModelCheckpoint(every_n_train_steps=N)")
     ap.add_argument("--record-loss", action="store_true", help="stock/cr: write the per-step global mean loss")
+    ap.add_argument("--save-params", action="store_true",
+                    help="recover: rank 0 writes the final parameters to params.pt (bitwise before/after comparisons)")
     ap.add_argument("--out", type=Path, required=True)
     return ap.parse_args(argv)
 
@@ -275,6 +277,8 @@ def main() -> None:
                             callbacks=[clock, FaultInjection(json.loads(args.faults))], **common)
         trainer.fit(model, DataLoader(data, batch_size=args.mbs))
         write_peak_rss(args.out, strategy.comm.rank if strategy.comm else 0)
+        if args.save_params and trainer.global_rank == 0:
+            torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, args.out / "params.pt")
         if trainer.global_rank == 0:
             clock.dump(args.out / "clock.json", {**extra, "rank": strategy.comm.rank if strategy.comm else 0,
                                                   "faults_seen": strategy.faults_seen, "wall_start": T_START})

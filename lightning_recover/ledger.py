@@ -11,6 +11,31 @@ joined replica ``{"replica", "transfer_s", "pause_s", "ok"}`` with the seconds t
 transfer took and the survivors' pause (null where not measured), and whether the joiner
 committed that step (false: it died first and is among the step's faults). The checker keeps its exactly-once
 checks for every step, joins or not, and checks the joins are consistent (see JOIN_FIELDS).
+
+Crash safety (:class:`LedgerWriter`): each line goes out in one ``O_APPEND`` ``write`` as
+its step commits, before the next step starts. Once written, it is the kernel's: a rank
+killed in any way (SIGKILL, a crash, the launcher ending the job) loses no line, and a
+reader of the file (``tail -f``, a new leader, a supervisor) sees it at once. What makes a
+line survive an *operating-system* crash or a power loss, ``fsync``, runs in a helper
+thread behind the writes, so no step waits for the disk (2.5-4 ms per line on this
+project's ext4, the leader's critical path otherwise). The promise:
+
+* A line is durable within one ``fsync`` after its write (the helper starts the next
+  ``fsync`` as soon as the previous one returns), and never more than
+  :data:`MAX_UNSYNCED_LINES` lines lag behind: the writer then waits for the disk.
+* :meth:`LedgerWriter.sync` (and ``close``) returns once every line written is durable.
+  The strategy calls it before each checkpoint save, so every line up to a checkpoint's
+  step is durable before that checkpoint can be published.
+* So an OS crash loses at most the last :data:`MAX_UNSYNCED_LINES` lines (in practice the
+  last one or two), all of them after the newest checkpoint's step, and may leave the
+  last line torn. Exactly-once still holds: the relaunch resumes from that checkpoint
+  (step ``c``), drops every line after ``c`` (a torn tail too) and commits steps ``c+1 ..``
+  again with the same microbatch ids (the sample order is in the checkpoint); the lines up
+  to ``c`` were durable. A lost host that led the job loses at most the same lines; the new
+  leader writes them from its recent history (:class:`LeaderLedger` keeps more than
+  :data:`MAX_UNSYNCED_LINES`).
+* An ``fsync`` error in the helper (EIO, a full disk) is raised by the next ``write``,
+  ``sync`` or ``close``, naming the file.
 """
 
 from __future__ import annotations
@@ -21,6 +46,7 @@ import json
 import math
 import os
 import sys
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +83,9 @@ LEDGER_FIELDS: tuple[str, ...] = (
     "recovery_s",
 )
 
+#: Lines written but not yet known durable before a write waits for the disk (see the module docstring).
+MAX_UNSYNCED_LINES = 16
+
 _MAX_PRINTED_PROBLEMS = 20
 _MAX_LISTED_IDS = 10
 
@@ -78,14 +107,81 @@ def _to_json(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
-class LedgerWriter:
-    """Appends one fsync'ed JSON line per committed step.
+class _Syncer:
+    """The helper thread that fsyncs a ledger file behind its writes (see the module docstring)."""
 
-    Each line goes out in a single O_APPEND write followed by fsync, so a killed process
-    leaves whole lines only, and a survivor's ledger is durable up to the last commit.
+    def __init__(self, fd: int, path: Path) -> None:
+        self._fd, self._path = fd, path
+        self._cond = threading.Condition()
+        self._written = 0  # lines handed to the kernel
+        self._durable = 0  # lines covered by a completed fsync
+        self._closing = False
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="lightning-recover-ledger-fsync", daemon=True)
+        self._thread.start()
+
+    def wrote(self) -> None:
+        """One more line was written; wait for the disk if too many lag behind."""
+        with self._cond:
+            self._written += 1
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._error is not None or self._written - self._durable <= MAX_UNSYNCED_LINES)
+            self._raise()
+
+    def sync(self) -> None:
+        """Return once every line written so far is durable."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._error is not None or self._durable >= self._written)
+            self._raise()
+
+    def stop(self) -> None:
+        """Sync, then end the thread (before the file descriptor is closed)."""
+        try:
+            self.sync()
+        finally:
+            with self._cond:
+                self._closing = True
+                self._cond.notify_all()
+            self._thread.join()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise OSError(
+                self._error.errno,
+                f"the step ledger could not be made durable (fsync: {self._error.strerror}); lines written since the "
+                f"last successful fsync may not survive an OS crash; check the disk holding the ledger",
+                str(self._path),
+            ) from self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closing or self._written > self._durable)
+                if self._written == self._durable:
+                    return  # closing, nothing pending
+                target = self._written
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._durable = target
+                self._cond.notify_all()
+
+
+class LedgerWriter:
+    """Appends one JSON line per committed step: written at once, fsync'ed behind (see the module docstring).
+
+    Each line goes out in a single O_APPEND write, so a killed process leaves whole lines
+    only, and every line written is the kernel's (a killed writer loses none). With
+    ``background_fsync=False`` every ``write`` also waits for its own fsync (each line
+    durable before the call returns; the slower, older behaviour).
     """
 
-    def __init__(self, path: str | os.PathLike[str], append: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike[str], append: bool = False, *, background_fsync: bool = True) -> None:
         self.path = Path(path)
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if append else os.O_TRUNC)
         try:
@@ -98,6 +194,7 @@ class LedgerWriter:
                 f"pass a writable ledger path",
                 str(self.path),
             ) from exc
+        self._syncer = _Syncer(self._fd, self.path) if background_fsync else None
 
     def write(self, record: Mapping[str, Any]) -> None:
         if self._fd is None:
@@ -127,10 +224,24 @@ class LedgerWriter:
         while view:
             n = os.write(self._fd, view)
             view = view[n:]
-        os.fsync(self._fd)
+        if self._syncer is not None:
+            self._syncer.wrote()
+        else:
+            os.fsync(self._fd)
+
+    def sync(self) -> None:
+        """Return once every line written so far is durable (fsync'ed); a no-op when closed."""
+        if self._fd is not None and self._syncer is not None:
+            self._syncer.sync()
 
     def close(self) -> None:
-        if self._fd is not None:
+        """Make every line durable, then close the file (also after an fsync error, which is raised)."""
+        if self._fd is None:
+            return
+        try:
+            if self._syncer is not None:
+                self._syncer.stop()
+        finally:
             os.close(self._fd)
             self._fd = None
 
@@ -164,6 +275,11 @@ class LeaderLedger:
         history: int = 64,
         guard: Callable[[], None] | None = None,
     ) -> None:
+        if history <= MAX_UNSYNCED_LINES:
+            raise ValueError(
+                f"LeaderLedger(history={history}): keep more than MAX_UNSYNCED_LINES={MAX_UNSYNCED_LINES} records, "
+                "so a new leader can rewrite every line a lost leader's host had not made durable"
+            )
         self.path = Path(path)
         # Called before every write; it does not return for a rank of an older world (the write fence).
         self._guard = guard
@@ -188,6 +304,11 @@ class LeaderLedger:
             return
         self._write(last)
 
+    def sync(self) -> None:
+        """Return once every line this rank wrote is durable (before a checkpoint save: see the module docstring)."""
+        if self._writer is not None:
+            self._writer.sync()
+
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
@@ -200,7 +321,10 @@ class LeaderLedger:
         if self._guard is not None:
             self._guard()
         if self._writer is None and self.resumed and not self._led:
-            keep = [line for line in read_ledger(self.path) if line["step"] < record["step"]] if self.path.exists() else []
+            # An OS crash can leave the last lines torn; they lie after the checkpoint (see the
+            # module docstring), so they are dropped with the other redone steps.
+            old = read_ledger(self.path, torn_tail=True) if self.path.exists() else []
+            keep = [line for line in old if line["step"] < record["step"]]
             with LedgerWriter(self.path) as rewrite:
                 for line in keep:
                     rewrite.write(line)
@@ -217,20 +341,32 @@ class LeaderLedger:
         self._writer.write(record)
 
 
-def read_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """All records of a ledger, in file order; blank lines are skipped."""
+def read_ledger(path: str | os.PathLike[str], *, torn_tail: bool = False) -> list[dict[str, Any]]:
+    """All records of a ledger, in file order; blank lines are skipped.
+
+    ``torn_tail=True`` drops unreadable lines at the end of the file (what an OS crash can
+    leave of lines not yet fsync'ed); an unreadable line followed by a good one is still an error.
+    """
     records: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as fh:
+    torn: LedgerFormatError | None = None
+    # Undecodable bytes (a torn multi-byte character) become a line that is not JSON, not a UnicodeDecodeError.
+    with open(path, encoding="utf-8", errors="replace") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise LedgerFormatError(
+                error = LedgerFormatError(
                     f"{path}:{lineno}: not a JSON line ({exc.msg}); the ledger is corrupt or "
                     f"was not written by LedgerWriter"
-                ) from None
+                )
+                if not torn_tail:
+                    raise error from None
+                torn = torn or error
+                continue
+            if torn is not None:
+                raise torn
             if not isinstance(rec, dict):
                 raise LedgerFormatError(
                     f"{path}:{lineno}: expected a JSON object per line, got "

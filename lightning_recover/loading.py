@@ -338,7 +338,11 @@ class MicrobatchFeed:
         if delivered is None:
             self._direct += 1
             delivered = self.source.load(step, offset)
-        torch.manual_seed(self.source.seed_for(step, offset))
+        if torch.accelerator.is_available():
+            # The device generators (CUDA dropout); the CPU one is set from the load just below.
+            # Without an accelerator there is nothing else to seed, and torch.manual_seed would
+            # still queue a lazy seed per device type with a formatted stack (~70 us a call).
+            torch.manual_seed(self.source.seed_for(step, offset))
         torch.set_rng_state(delivered.rng_state)
         return delivered.batch
 

@@ -188,3 +188,33 @@ def test_peers_quick_runs_ours_under_outside_kills_and_leaves_no_process(tmp_pat
     assert out.strip().splitlines()[-1].startswith("ReCoVer effective throughput:")
     time.sleep(0.5)
     assert not ours() - before, f"processes of the benchmark left behind: {ours() - before}"
+
+
+def test_step_cost_pairs_rounds_and_takes_the_median_ratio() -> None:
+    import step_cost  # benchmarks/step_cost.py
+    from peers import Run, Step
+
+    run = Run("r", steps={s: Step(t=0.1 * s + (0.05 if s == 4 else 0.0), loss=1.0, batch=8, contributors=4, indices=[])
+                          for s in range(8) if s != 6})
+    # Step 6 is missing (no interval across the gap); steps before --skip are left out.
+    assert step_cost.step_intervals(run, skip=2) == pytest.approx([0.1, 0.15, 0.05])
+    # Round 1 ran under a burst of other work: the median of the rounds' own ratios discards it.
+    row = step_cost.size_row([[0.11] * 5, [0.5] * 5, [0.12] * 5], [[0.10] * 5, [0.12] * 5, [0.10] * 5])
+    assert row["ratio"] == pytest.approx(1.2) and row["recover_ms"] == pytest.approx(120.0)
+    assert row["round_ratios"] == pytest.approx([1.1, 0.5 / 0.12, 1.2])
+    only_ours = step_cost.size_row([[0.1] * 3], [])
+    assert only_ours["ratio"] is None and only_ours["torchft_ms"] is None and only_ours["recover_ms"] == pytest.approx(100.0)
+
+
+@pytest.mark.mpi
+def test_step_cost_quick_runs_and_prints_the_headline_last(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``step_cost.py --quick`` for ReCoVer (torchft is not run in CI): a fault-free run, its step time, the headline."""
+    import step_cost
+
+    rc = step_cost.main(["--quick", "--systems", "recover-ff", "--quiet-wait", "0", "--out", str(tmp_path / "s.json")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    res = json.loads((tmp_path / "s.json").read_text())
+    (run,) = res["runs"]
+    assert run["ok"] and len(run["intervals_s"]) == 9 and res["table"]["tiny"]["recover_ms"] > 0
+    assert out.strip().splitlines()[-1].startswith("ReCoVer / torchft fault-free step time: tiny ReCoVer ")

@@ -569,6 +569,43 @@ def test_a_replica_lost_in_a_collective_inside_the_step_is_replanned() -> None:
     assert rec["replicas"] == [0, 2] and rec["faults"] == [1] and rec["extra_microbatches"] == 2
 
 
+class _Voter(RecoveryCallback):
+    """Votes its replica's index (+1) in on_before_reduce; notes the totals on_before_commit sees."""
+
+    def __init__(self, replica: int, seen: list[dict[str, float]]) -> None:
+        self.replica, self.seen = replica, seen
+
+    def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
+        step.votes["v"] = float(self.replica + 1)
+
+    def on_before_commit(self, trainer: Any, pl_module: Any, step: StepState) -> None:
+        self.seen.append(dict(step.vote_totals))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_on_before_commit_sees_the_steps_summed_votes(overlap: bool) -> None:
+    # BufferSync decides in on_before_commit whether to broadcast from these sums; read before
+    # the engine had set them, every step looked like a buffer change (a broadcast per step).
+    seen: dict[int, list[dict[str, float]]] = {}
+    sc = Scenario(replicas=3, steps=2, overlap=overlap)
+
+    def train_voting(comm: FakeComm) -> None:
+        policy = make_policy("static", sc.replicas, sc.G)
+        cbs: list[object] = [ReductionBuffers(), EpochCheck(), BoundaryScheduler(), _Voter(comm.replica, seen.setdefault(comm.rank, []))]
+        engine = StepEngine(comm, policy, dispatch=dispatcher(lambda: cbs), overlap=sc.overlap)
+        runner = Runner(comm, sc, RankLog())
+        for step in range(sc.steps):
+            state = engine.begin(step)
+            runner.start(engine, step)
+            runner.final = state.mine.ids[-1]
+            engine.run(runner, state.mine.ids)
+            engine.reduce_until_committed(runner)
+            engine.finish()
+
+    FakeWorld(sc.replicas, 1, BUCKET_NUMEL, timeout=TIMEOUT_S).run(train_voting)
+    assert seen == {r: [{"v": 6.0}, {"v": 6.0}] for r in range(3)}
+
+
 def test_below_min_replicas_the_survivors_stop_with_the_policy_error() -> None:
     out = simulate(Scenario(replicas=2, min_replicas=2, kills=(Kill(1, "bucket", bucket=1),)), raise_errors=False)
     died = out.results[0]
@@ -634,3 +671,26 @@ def test_random_failure_schedules_keep_the_invariants(sc: Scenario) -> None:
     assert dead_replicas <= hit, f"replicas {sorted(dead_replicas - hit)} died without a scripted failure"
     assert {k.rank // sc.shards for k in out.world.fired} <= dead_replicas
     assert out.survivors, "no replica finished"
+
+
+
+def test_the_overlap_helper_thread_is_reused_across_steps() -> None:
+    # A thread per step cost a start-up hand-shake on every step's path; one helper serves every round.
+    import threading
+
+    from lightning_recover.recovery.overlap import HelperThread
+
+    helper = HelperThread()
+    ran: list[int | None] = []
+    for _ in range(3):
+        assert helper.idle
+        done = helper.submit(lambda: ran.append(threading.get_ident()))
+        assert done.wait(10)
+    assert len(ran) == 3 and len(set(ran)) == 1 and ran[0] != threading.get_ident()
+    gate = threading.Event()
+    done = helper.submit(lambda: gate.wait(10))
+    assert not helper.idle
+    with pytest.raises(RuntimeError, match="still running"):
+        helper.submit(lambda: None)
+    gate.set()
+    assert done.wait(10)

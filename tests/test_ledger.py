@@ -11,8 +11,11 @@ from typing import Any
 
 import pytest
 
+from lightning_recover import ledger as ledger_module
 from lightning_recover.ledger import (
     LEDGER_FIELDS,
+    MAX_UNSYNCED_LINES,
+    LeaderLedger,
     LedgerFormatError,
     LedgerWriter,
     check_ledger,
@@ -107,6 +110,118 @@ def test_writer_closed(tmp_path: Path):
     assert w.closed
     with pytest.raises(ValueError, match="closed"):
         w.write(record(0))
+
+
+class _Disk:
+    """os.fsync stand-in: counts calls, can block them (a slow disk) or fail them (EIO)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.calls = 0
+        self.open = threading.Event()
+        self.open.set()
+        self.fail = False
+
+    def fsync(self, fd: int) -> None:
+        assert self.open.wait(10), "test: fsync blocked for good"
+        self.calls += 1
+        if self.fail:
+            raise OSError(5, "Input/output error")
+
+
+@pytest.fixture
+def disk(monkeypatch: pytest.MonkeyPatch) -> _Disk:
+    d = _Disk()
+    monkeypatch.setattr(ledger_module.os, "fsync", d.fsync)
+    return d
+
+
+def test_writer_lines_are_readable_at_once_and_durable_after_sync_and_close(tmp_path: Path, disk: _Disk):
+    path = tmp_path / "l.jsonl"
+    disk.open.clear()  # the disk is slow: no fsync completes yet
+    w = LedgerWriter(path)
+    for t in range(3):
+        w.write(record(t))
+    # Written to the kernel before the next step: a reader (and a killed writer's successor) sees every line.
+    assert [r["step"] for r in read_ledger(path)] == [0, 1, 2]
+    disk.open.set()
+    w.sync()
+    assert disk.calls >= 1
+    calls = disk.calls
+    w.sync()  # nothing new: no fsync
+    assert disk.calls == calls
+    w.write(record(3))
+    w.close()  # close makes the last line durable before closing the descriptor
+    assert disk.calls > calls and w.closed
+
+
+def test_writer_waits_for_the_disk_once_too_many_lines_lag(tmp_path: Path, disk: _Disk):
+    import threading
+
+    disk.open.clear()
+    w = LedgerWriter(tmp_path / "l.jsonl")
+    done = threading.Event()
+
+    def writer() -> None:
+        for t in range(MAX_UNSYNCED_LINES + 2):
+            w.write(record(t))
+        done.set()
+
+    th = threading.Thread(target=writer, daemon=True)
+    th.start()
+    assert not done.wait(0.5), f"more than MAX_UNSYNCED_LINES={MAX_UNSYNCED_LINES} lines went out with no fsync done"
+    disk.open.set()
+    assert done.wait(10)
+    th.join()
+    w.close()
+
+
+def test_writer_fsync_error_is_raised_by_the_next_call(tmp_path: Path, disk: _Disk):
+    disk.fail = True
+    w = LedgerWriter(tmp_path / "l.jsonl")
+    w.write(record(0))
+    with pytest.raises(OSError, match="could not be made durable"):
+        w.sync()
+    with pytest.raises(OSError, match="could not be made durable"):
+        w.close()
+    assert w.closed
+
+
+def test_writer_without_background_fsync_syncs_every_line(tmp_path: Path, disk: _Disk):
+    with LedgerWriter(tmp_path / "l.jsonl", background_fsync=False) as w:
+        w.write(record(0))
+        assert disk.calls == 1
+        w.write(record(1))
+        assert disk.calls == 2
+
+
+def test_leader_ledger_keeps_more_history_than_unsynced_lines(tmp_path: Path):
+    with pytest.raises(ValueError, match="MAX_UNSYNCED_LINES"):
+        LeaderLedger(tmp_path / "l.jsonl", history=MAX_UNSYNCED_LINES)
+
+
+def test_resume_drops_a_torn_tail_with_the_redone_steps(tmp_path: Path):
+    # An OS crash left lines 0-4 durable and the tail of line 5 torn (zeros, half a line);
+    # the relaunch resumes from a checkpoint at step 3 and redoes steps 4.. .
+    path = write(tmp_path / "l.jsonl", [record(t) for t in range(5)])
+    with open(path, "ab") as f:
+        f.write(json.dumps(record(5)).encode()[:40] + b"\x00" * 30)
+    with pytest.raises(LedgerFormatError):
+        read_ledger(path)
+    assert [r["step"] for r in read_ledger(path, torn_tail=True)] == [0, 1, 2, 3, 4]
+    led = LeaderLedger(path, resumed=True)
+    led.record(record(4), is_leader=True)
+    led.close()
+    assert [r["step"] for r in read_ledger(path)] == [0, 1, 2, 3, 4]
+    assert check_ledger(path).ok
+
+
+def test_a_torn_line_before_a_good_one_is_still_an_error(tmp_path: Path):
+    path = tmp_path / "l.jsonl"
+    path.write_text(json.dumps(record(0)) + "\n" + '{"step": 1, "lo' + "\n" + json.dumps(record(2)) + "\n")
+    with pytest.raises(LedgerFormatError, match=":2: not a JSON line"):
+        read_ledger(path, torn_tail=True)
 
 
 def test_policy_commit_record_makes_a_valid_ledger(tmp_path: Path):

@@ -66,7 +66,7 @@ from lightning_recover.policy import WorkloadPolicy
 from lightning_recover.recovery.hooks import Dispatch
 from lightning_recover.recovery import step_values
 from lightning_recover.recovery.interface import PeerFailure, RepairResult, ReplicaComm
-from lightning_recover.recovery.overlap import OverlappedReduction
+from lightning_recover.recovery.overlap import HelperThread, OverlappedReduction
 from lightning_recover.recovery.state import Join, Schedule, StepState
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,8 @@ class StepEngine:
         self._carried_detects: list[float] = []
         # Joins admitted since the last commit, by replica; the next step's record lists them.
         self._joins: dict[int, Join] = {}
+        # Runs every step's overlapped round (one thread for the job, not one per step).
+        self._helper = HelperThread()
 
     # ------------------------------------------------------------------ the step
     def begin(self, step: int) -> StepState:
@@ -182,7 +184,9 @@ class StepEngine:
             )
         st.overlapped = True
         st.inflight = OverlappedReduction(
-            self.comm, st.send[::-1], st.out[::-1], st.handle, before_bucket=self._overlapped_bucket, after_bucket=self._after_bucket
+            self.comm, st.send[::-1], st.out[::-1], st.handle, before_bucket=self._overlapped_bucket, after_bucket=self._after_bucket,
+            # A round left running by an abandoned step (an exception) keeps the engine's helper busy: this one gets its own.
+            helper=self._helper if self._helper.idle else None,
         )
         return st.inflight
 
@@ -274,12 +278,14 @@ class StepEngine:
             if failed_at is None:
                 failed_at = time.perf_counter()
             self._recover(runner)
-        self.dispatch("on_before_commit", st)
-        if failed_at is not None:
-            st.pauses.append(time.perf_counter() - failed_at)
+        # The agreed sums first: on_before_commit callbacks decide on them (BufferSync reads
+        # its vote there; read before they were set, every step looked like a buffer change).
         st.loss = float(head_out[0]) / max(1.0, float(head_out[1]))
         st.logged_totals = step_values.unpack(logged_out, keys)
         st.vote_totals = {k: float(v) for k, v in zip(votes, head_out[5:])}
+        self.dispatch("on_before_commit", st)
+        if failed_at is not None:
+            st.pauses.append(time.perf_counter() - failed_at)
         # Constant divisor: B microbatches (times the shards, whose FSDP reduce-scatter sums),
         # never the number of survivors.
         divisor = st.plan.divisor * self.shards

@@ -18,6 +18,9 @@ The contract:
   overlap. Recovery never overlaps (it is rare; simplicity wins).
 * The caller marks everything ready once backward returned (:meth:`all_ready`): a
   parameter that got no gradient this step must not hold the reduction forever.
+* The helper is one long-lived thread per engine (:class:`HelperThread`), idle between
+  rounds: starting a thread per step cost a start-up hand-shake on the step's path (a
+  scheduler time slice on an oversubscribed host).
 * The thread is the only one issuing collectives on the replica communicator meanwhile;
   the main thread only computes (the in-replica reduce-scatter runs on torch's own group).
 * Watching for hangs: fault points and progress ticks fire in the helper thread before
@@ -37,7 +40,52 @@ from typing import Any
 from lightning_recover.recovery.buckets import ReduceHandle
 from lightning_recover.recovery.interface import ReplicaComm
 
-__all__ = ["OverlappedReduction"]
+__all__ = ["HelperThread", "OverlappedReduction"]
+
+
+class HelperThread:
+    """A daemon thread that runs one job at a time, reused for every step's overlapped round.
+
+    :meth:`submit` hands it a job and returns an event set once the job returned (its
+    errors are the job's to keep: :class:`OverlappedReduction` stores them). The thread
+    starts with the first job, and again after a fork (a child process has no threads).
+    """
+
+    def __init__(self, name: str = "lightning-recover-reduce") -> None:
+        self.name = name
+        self._cond = threading.Condition()
+        self._job: tuple[Callable[[], None], threading.Event] | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def idle(self) -> bool:
+        """No job is running (a round abandoned by an exception may still be finishing)."""
+        with self._cond:
+            return self._job is None
+
+    def submit(self, job: Callable[[], None]) -> threading.Event:
+        done = threading.Event()
+        with self._cond:
+            if self._job is not None:
+                raise RuntimeError(f"{self.name}: a job is still running; wait for its event before submitting the next")
+            self._job = (job, done)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return done
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._job is not None)
+                job, done = self._job  # type: ignore[misc]
+            try:
+                job()
+            finally:
+                with self._cond:
+                    self._job = None
+                done.set()
 
 
 class OverlappedReduction:
@@ -46,7 +94,8 @@ class OverlappedReduction:
     ``send`` / ``out`` are in *plane order* (the order ``handle`` was planned over);
     ``index_of(i)`` maps a caller's tensor index to its plane position. ``before_bucket``
     and ``after_bucket`` are passed to ``comm.allreduce`` (fault points, ticks, the
-    ``on_bucket_reduced`` hook); they run in the helper thread.
+    ``on_bucket_reduced`` hook); they run in the helper thread: ``helper``, the engine's
+    (reused by every round), or by default one started for this round only.
     """
 
     def __init__(
@@ -58,6 +107,7 @@ class OverlappedReduction:
         *,
         before_bucket: Callable[[int], None] | None = None,
         after_bucket: Callable[[int], None] | None = None,
+        helper: HelperThread | None = None,
     ) -> None:
         if len(send) != len(out):
             raise ValueError(f"got {len(send)} tensors to send but {len(out)} outputs")
@@ -66,15 +116,23 @@ class OverlappedReduction:
         self._send, self._out = list(send), list(out)
         self._before, self._after = before_bucket, after_bucket
         # Which plane tensors each bucket waits for.
-        self._needs = [{ti for ti, _, _ in b.segments} for b in handle.buckets]
+        needs = [{ti for ti, _, _ in b.segments} for b in handle.buckets]
+        # Per bucket, how many of its tensors are not ready yet; per tensor, its buckets. The
+        # helper is woken only when a bucket's count reaches zero, not once per gradient (a
+        # wake-up per parameter only to wait again cost GIL hand-offs during backward).
+        self._missing = [len(n) for n in needs]
+        self._buckets_of: dict[int, list[int]] = {}
+        for b, n in enumerate(needs):
+            for ti in n:
+                self._buckets_of.setdefault(ti, []).append(b)
         self._ready: set[int] = set()
         self._all = False
         self._cond = threading.Condition()
         #: The helper thread is inside a collective (not running this rank's own code).
         self.in_collective = False
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="lightning-recover-reduce", daemon=True)
-        self._thread.start()
+        # The engine's reused helper; a round made without one gets a thread of its own.
+        self._done = (helper or HelperThread()).submit(self._run)
 
     # ------------------------------------------------------------------ the caller's side
     def mark_ready(self, plane_index: int, tensor: Any = None) -> None:
@@ -86,8 +144,15 @@ class OverlappedReduction:
         with self._cond:
             if tensor is not None:
                 self._send[plane_index] = tensor
+            if plane_index in self._ready:
+                return
             self._ready.add(plane_index)
-            self._cond.notify_all()
+            completed = False
+            for b in self._buckets_of.get(plane_index, ()):
+                self._missing[b] -= 1
+                completed |= self._missing[b] == 0
+            if completed:
+                self._cond.notify_all()
 
     def sent(self, plane_index: int) -> Any:
         """The tensor the round sends (or sent) at ``plane_index``."""
@@ -106,10 +171,10 @@ class OverlappedReduction:
         this rank's own code (True) or blocked on peers in a collective (False).
         """
         self.all_ready()
-        while self._thread.is_alive():
+        while not self._done.is_set():
             if set_computing is not None:
                 set_computing(not self.in_collective)
-            self._thread.join(poll_s)
+            self._done.wait(poll_s)
         if self.error is not None:
             raise self.error
 
@@ -127,7 +192,7 @@ class OverlappedReduction:
     def _before_bucket(self, index: int) -> None:
         self.in_collective = False
         with self._cond:
-            self._cond.wait_for(lambda: self._all or self._needs[index] <= self._ready)
+            self._cond.wait_for(lambda: self._all or self._missing[index] == 0)
         if self._before is not None:
             self._before(index)
         self.in_collective = True

@@ -1096,6 +1096,10 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             raise TypeError(f"ReCoVerHSDPStrategy.save_checkpoint takes no storage_options (got {storage_options!r}); pass None")
         state = checkpoint[checkpoint_io.STATE_KEY] = self._recover_state()
         self.comm.check_fences("checkpoint")
+        if self.ledger is not None:
+            # Every ledger line up to this step durable before the checkpoint can be published:
+            # a relaunch from it after an OS crash finds no step missing (see lightning_recover.ledger).
+            self.ledger.sync()
         with self.replica_guard("checkpoint save"):
             self.checkpoint_writer.save(checkpoint, filepath, step=int(state["step"]))
 
