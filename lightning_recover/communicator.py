@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 import torch
 
+from lightning_recover.errors import RecoverError
 from lightning_recover import lifecycle, mpi_wait, netaddr, quorum
 from lightning_recover.data_plane import (
     DATA_PLANES,
@@ -144,7 +145,7 @@ def failure_classes() -> frozenset[int]:
     return frozenset({MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING, MPI.ERR_REVOKED})
 
 
-class ULFMUnavailableError(RuntimeError):
+class ULFMUnavailableError(RecoverError, RuntimeError):
     """The MPI library or the launch does not provide ULFM fault tolerance."""
 
 

@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from lightning_recover.errors import RecoverError
+
 __all__ = [
     "DATA_PLANES",
     "DEFAULT_BUCKET_MB",
@@ -49,7 +51,7 @@ REPLICA_PLANES: tuple[str, ...] = ("auto", "mpi", "torch")
 DEFAULT_BUCKET_MB = 4.0
 
 
-class ConfigurationError(ValueError):
+class ConfigurationError(RecoverError, ValueError):
     """A setting the job cannot run with; the one-line message names the value and the fix.
 
     A ValueError, so callers that caught the older per-module errors keep working.

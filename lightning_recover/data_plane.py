@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import torch
 
+from lightning_recover.errors import RecoverError
 from lightning_recover import mpi_wait, netaddr
 from lightning_recover.config import DATA_PLANES, ConfigurationError
 from lightning_recover.recovery.buckets import Bucket
@@ -95,7 +96,7 @@ WIDEN = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 POLL_S = 0.005
 
 
-class DataPlaneError(RuntimeError):
+class DataPlaneError(RecoverError, RuntimeError):
     """The data plane failed, and the control plane saw no peer failure that explains it."""
 
 

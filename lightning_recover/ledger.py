@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lightning_recover.errors import RecoverError
+
 __all__ = [
     "JOIN_FIELDS",
     "LEDGER_FIELDS",
@@ -90,7 +92,7 @@ _MAX_PRINTED_PROBLEMS = 20
 _MAX_LISTED_IDS = 10
 
 
-class LedgerFormatError(ValueError):
+class LedgerFormatError(RecoverError, ValueError):
     """A ledger file that cannot be parsed (not JSON lines of objects)."""
 
 

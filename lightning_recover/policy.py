@@ -49,6 +49,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_recover.errors import RecoverError
 from lightning_recover.config import POLICY_NAMES, ConfigurationError
 
 __all__ = [
@@ -81,7 +82,7 @@ class Role(str, enum.Enum):
         return self in (Role.MAJOR_SPARE, Role.MINOR_SPARE)
 
 
-class PolicyError(RuntimeError):
+class PolicyError(RecoverError, RuntimeError):
     """Base class of the errors a workload policy raises at run time."""
 
 

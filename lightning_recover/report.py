@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_recover.errors import RecoverError
 from lightning_recover.ledger import LedgerFormatError, read_ledger
 
 __all__ = [
@@ -58,7 +59,7 @@ REPORT_FIELDS: tuple[str, ...] = (
 _PLOTS_HINT = "pip install lightning-recover[plots]"
 
 
-class ReportError(ValueError):
+class ReportError(RecoverError, ValueError):
     """A ledger that cannot be reported on; the message names the bad value and the fix."""
 
 
@@ -234,6 +235,14 @@ def _is_seconds(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
+def _is_text(path: Path) -> bool:
+    try:
+        path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def load_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a ledger file, or a :class:`ReportError` saying why it is not one."""
     name = os.fspath(path)
@@ -248,11 +257,11 @@ def load_ledger(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     try:
         records = read_ledger(p)
     except LedgerFormatError as exc:
+        if not _is_text(p):  # read_ledger takes undecodable bytes for a torn line: say what the file is
+            raise ReportError(
+                f"{name!r} is not text, so not a step ledger (JSON lines); pass the ledger_path the run wrote"
+            ) from None
         raise ReportError(f"{exc}; `report` reads a lightning-recover step ledger") from None
-    except UnicodeDecodeError:
-        raise ReportError(
-            f"{name!r} is not text, so not a step ledger (JSON lines); pass the ledger_path the run wrote"
-        ) from None
     except OSError as exc:
         raise ReportError(f"cannot read the ledger {name!r} ({exc.strerror}); check its permissions") from None
     if not records:

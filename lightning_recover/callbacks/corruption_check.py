@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from typing_extensions import override
 
+from lightning_recover.errors import RecoverError
 from lightning_recover import lifecycle
 from lightning_recover.callbacks.base import RecoveryCallback
 from lightning_recover.corruption import Fingerprint, Verdict, arbitrate, fingerprint
@@ -51,7 +52,7 @@ from lightning_recover.recovery.state import StepState
 __all__ = ["CorruptionCheck", "SilentDataCorruptionError", "state_tensors"]
 
 
-class SilentDataCorruptionError(RuntimeError):
+class SilentDataCorruptionError(RecoverError, RuntimeError):
     """Replicas hold different state and no majority says which copy is right."""
 
 

@@ -12,12 +12,13 @@ from typing import Any
 
 from typing_extensions import override
 
+from lightning_recover.errors import RecoverError
 from lightning_recover.callbacks.base import RecoveryCallback
 from lightning_recover.recovery.interface import RepairResult
 from lightning_recover.recovery.state import StepState
 
 
-class StaleBucketError(RuntimeError):
+class StaleBucketError(RecoverError, RuntimeError):
     """A bucket reduced under an older world epoch was about to be committed."""
 
 

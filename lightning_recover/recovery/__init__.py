@@ -5,6 +5,8 @@
   state       StepState: everything one optimizer step knows, in one object
   hooks       the recovery hooks callbacks implement, and their dispatch
   engine      StepEngine: plan, compute, reduce, agree, repair, replay, commit
+  overlap     the overlapped reduction: buckets reduced while backward runs
+  step_values the step's loss and logged values, summed once at the commit
   fake        FakeWorld: N simulated replicas in one process, scripted failures (tests)
 
 Nothing here imports Lightning or MPI.

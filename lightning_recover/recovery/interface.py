@@ -25,10 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from lightning_recover.errors import RecoverError
 from lightning_recover.recovery.buckets import ReduceHandle
 
 
-class PeerFailure(RuntimeError):
+class PeerFailure(RecoverError, RuntimeError):
     """A peer died (or the communicator was revoked because one did).
 
     ``lost_ranks`` are ORIGINAL world ranks known dead at this rank when the error was

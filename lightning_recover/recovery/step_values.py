@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from lightning_recover.errors import RecoverError
+
 #: Per key and microbatch: the value and a count for the step value (``on_step``), and the
 #: increments of Lightning's epoch accumulators (``on_epoch``: value * batch size and batch
 #: size for a mean, the value for a sum).
@@ -28,7 +30,7 @@ FIELDS = ("step_sum", "step_count", "epoch_value", "epoch_weight")
 Values = tuple[float, float, float, float]
 
 
-class LoggedKeysMismatch(RuntimeError):
+class LoggedKeysMismatch(RecoverError, RuntimeError):
     """Ranks logged different keys with ``sync_dist=True`` in the same step."""
 
 

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from lightning_recover.errors import RecoverError
 from lightning_recover import mpi_wait
 from lightning_recover.communicator import FAILURE_CONFIRM_S, failure_classes
 from lightning_recover.config import ConfigurationError
@@ -56,7 +57,7 @@ __all__ = ["MPIAllGather", "MPIReduceScatter", "ReplicaPlaneError", "resolve_rep
 _NATIVE = (torch.float32, torch.float64, torch.int32, torch.int64)
 
 
-class ReplicaPlaneError(RuntimeError):
+class ReplicaPlaneError(RecoverError, RuntimeError):
     """A replica-mate died (or the replica's communicator was revoked) inside an FSDP2 collective."""
 
 

@@ -62,6 +62,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 
+from lightning_recover.errors import RecoverError
+
 #: Every name an instance creates (namespaces, links, ``/etc/netns`` entries) starts with this.
 NAME_ROOT = "lrfc"
 #: Subnet claims of live instances (one file per claimed ``10.77.K.0/24``, holding the owner's prefix).
@@ -76,11 +78,11 @@ _sequence = 0
 _sequence_lock = threading.Lock()
 
 
-class MissingCapability(RuntimeError):
+class MissingCapability(RecoverError, RuntimeError):
     """The machine cannot build fake hosts (not root, or a tool is missing); the message names it."""
 
 
-class FakeClusterError(RuntimeError):
+class FakeClusterError(RecoverError, RuntimeError):
     """A fake-cluster operation failed; the message names the command and its output."""
 
 
