@@ -948,7 +948,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per run")
     ap.add_argument("--out", default="runs/chaos", help="directory for per-run logs and ledgers")
     ap.add_argument("--hang-timeout", type=float, default=3.0, help="watchdog timeout for SIGSTOPped ranks")
-    ap.add_argument("--bound", type=float, default=240.0, help="a run longer than this counts as a hang")
+    ap.add_argument("--bound", type=float, default=None,
+                    help="a run longer than this counts as a hang (default 240 s; 420 s with --hosts, where a relaunch may follow a stall timeout)")
     ap.add_argument("--no-hangs", action="store_true", help="inject SIGKILLs only")
     ap.add_argument("--stuck", action="store_true", help="half of the silent faults spin in compute instead of SIGSTOP")
     ap.add_argument("--corrupt", action="store_true", help="one bit-flip corruption per run (silent data corruption)")
@@ -956,6 +957,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", type=int, default=0, metavar="N",
                     help="run on N >= 2 fake hosts (root) with one host fault per run, mixed with rank faults (module docstring)")
     args = ap.parse_args(argv)
+    if args.bound is None:
+        args.bound = 420.0 if args.hosts else 240.0
     if args.runs < 1:
         ap.error(f"--runs must be >= 1, got {args.runs}")
     if args.joins and args.steps < 30:

@@ -65,7 +65,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from lightning_recover import lifecycle, rejoin
 
@@ -266,16 +266,7 @@ def standby(spec_json: str, script_argv: list[str]) -> None:
     # Bounded until the leader has heard that it is warm: a standby whose leader ended meanwhile
     # (training finished while it started) must not wait in MPI's start-up or a send forever.
     _leave_after(float(spec.get("timeout_s", 120.0)), f"standby {spec.get('number')}")
-    lifecycle.prepare_mpi()
-    from mpi4py import MPI
-
-    parent = MPI.Comm.Get_parent()
-    if parent == MPI.COMM_NULL:
-        raise SystemExit("lightning_recover.joiner --standby runs only as a spawned standby (no parent communicator)")
-    link = parent.Merge(high=True)
-    link.Set_errhandler(MPI.ERRORS_RETURN)
-    rejoin.say_hello(link)
-    rejoin.mark("merged")
+    link = _merge_with_parent("lightning_recover.joiner --standby runs only as a spawned standby")
     alive = _leader_alive(spec)
     rejoin.leader_alive = alive
     restore = yield_while_warming() if spec.get("yield_cpu") else (lambda: None)
@@ -337,17 +328,22 @@ def main(argv: list[str]) -> None:
     seat = rejoin.Seat.from_json(argv[0])
     timeout = float(seat.context.get("timeout_s", 120.0))
     _leave_after(timeout, f"of attempt {seat.attempt}")
+    _run(seat, _merge_with_parent("lightning_recover.joiner runs only as a spawned replacement"), argv[1:])
+
+
+def _merge_with_parent(refusal: str) -> Any:
+    """Start MPI, merge with the ranks that spawned this process (placed after them) and say hello."""
     lifecycle.prepare_mpi()
     from mpi4py import MPI
 
     parent = MPI.Comm.Get_parent()
     if parent == MPI.COMM_NULL:
-        raise SystemExit("lightning_recover.joiner runs only as a spawned replacement (no parent communicator)")
+        raise SystemExit(f"{refusal} (no parent communicator)")
     merged = parent.Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     rejoin.say_hello(merged)
     rejoin.mark("merged")
-    _run(seat, merged, argv[1:])
+    return merged
 
 
 if __name__ == "__main__":

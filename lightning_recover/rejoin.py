@@ -482,18 +482,9 @@ class Recruiter:
             info.Set("map_by", ":OVERSUBSCRIBE")
         args = ["-m", "lightning_recover.joiner", seat_.to_json(), *self.argv]
 
-        def spawn() -> None:
-            try:
-                inter = dup.Spawn(sys.executable, args=args, maxprocs=len(ranks), info=info, root=0)
-                merged = inter.Merge(high=False)
-                merged.Set_errhandler(MPI.ERRORS_RETURN)
-                att.merged = merged
-            except MPI.Exception as exc:
-                att.error = f"spawn failed: {exc.Get_error_string()}"
-
-        att.thread = threading.Thread(target=spawn, name=f"lightning-recover-spawn-{att.number}", daemon=True)
-        self.attempt = att
-        att.thread.start()
+        self._merge_in_background(
+            att, lambda: dup.Spawn(sys.executable, args=args, maxprocs=len(ranks), info=info, root=0), "spawn failed", "spawn"
+        )
         if self.comm.is_leader:
             print(
                 f"[lightning-recover] re-join attempt {att.number}: spawning {len(ranks)} rank(s) for replica(s) {list(replicas)}",
@@ -680,22 +671,27 @@ class Recruiter:
             for r, proc in att.standby.procs.items():
                 att.procs[att.survivors + r - 1] = proc
 
-        def accept() -> None:
-            try:
-                inter = dup.Accept(att.port, root=0)
-                merged = inter.Merge(high=False)
-                merged.Set_errhandler(MPI.ERRORS_RETURN)
-                att.merged = merged
-            except MPI.Exception as exc:
-                att.error = f"the standby's merge failed: {exc.Get_error_string()}"
-
-        att.thread = threading.Thread(target=accept, name=f"lightning-recover-accept-{att.number}", daemon=True)
-        self.attempt = att
-        att.thread.start()
+        self._merge_in_background(att, lambda: dup.Accept(att.port, root=0), "the standby's merge failed", "accept")
         if self.comm.is_leader:
             assert att.standby is not None
             print(f"[lightning-recover] re-join attempt {att.number}: merging standby {att.standby.number} "
                   f"for replica {replica}", file=sys.stderr, flush=True)
+
+    def _merge_in_background(self, att: JoinAttempt, connect: Callable[[], Any], failure: str, name: str) -> None:
+        """Reach the replacements (``connect`` returns the inter-communicator) and merge them, on a helper
+        thread so the survivors keep training; the attempt holds the result (``merged``) or why not (``error``)."""
+
+        def run() -> None:
+            try:
+                merged = connect().Merge(high=False)
+                merged.Set_errhandler(MPI.ERRORS_RETURN)
+                att.merged = merged
+            except MPI.Exception as exc:
+                att.error = f"{failure}: {exc.Get_error_string()}"
+
+        att.thread = threading.Thread(target=run, name=f"lightning-recover-{name}-{att.number}", daemon=True)
+        self.attempt = att
+        att.thread.start()
 
     def _end_attempt_port(self, att: JoinAttempt) -> None:
         """Close the leader's port once its accept returned (a parked one keeps it)."""
