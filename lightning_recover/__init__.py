@@ -4,6 +4,7 @@ Modules and packages, bottom up (``tests/test_package_maps.py`` keeps this list 
 
   errors        RecoverError and the error model: what becomes of every exception
   _compat       torch version checks, in one table
+  _lightning    every use of Lightning's private API, with its reason and the version checked
   topology      world rank <-> (replica, shard)
   config        RecoverConfig: every setting, validated once (ConfigurationError)
   mpi_wait      polite waits on MPI requests (oversubscribed hosts)

@@ -55,7 +55,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_recover import lifecycle, rejoin
+from lightning_recover import _lightning, lifecycle, rejoin
 from lightning_recover.callbacks import (
     BoundaryScheduler,
     BufferSync,
@@ -314,17 +314,13 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             else:
                 self._start_replacement(joining)
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        # Data placement is ours (the planner for training, an exactly-once split for
-        # evaluation); Lightning's DistributedSampler would pad with duplicates. The Trainer
-        # flag lives on its accelerator connector only (no public setter after construction).
-        trainer._accelerator_connector.use_distributed_sampler = False
+        _lightning.no_distributed_sampler(trainer)
         self._install_callbacks(trainer)
         super().setup_environment()
         if self._device_mesh is None:
             # After the accelerator selected this rank's device, which DeviceMesh would otherwise guess.
             self._device_mesh = replica_mesh(self.root_device.type, self.config.shards)
-        # LightningModule.device_mesh has no setter; ModelParallelStrategy assigns `_device_mesh` the same way.
-        self.lightning_module._device_mesh = self._device_mesh  # type: ignore[union-attr]
+        _lightning.set_device_mesh(self.lightning_module, self._device_mesh)
 
     def _start_rank(self) -> None:
         """This rank joins the job: MPI, crash handling, the communicator, the policy, the replica-local group, the engine."""
@@ -587,10 +583,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.engine.admit([Join(r) for r in replicas if r in comm.alive_replicas])
         if self.recruiter is not None:
             self.recruiter.joined_at(joining.seat.attempt)
-        # Lightning restores a loaded checkpoint right after setup (restore_checkpoint_after_setup);
-        # it has no public way to hand it one from memory, so the connector's slot is filled as
-        # resume_start would fill it from a file.
-        trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+        # Lightning restores it right after setup (restore_checkpoint_after_setup).
+        _lightning.hand_over_checkpoint(trainer, checkpoint)
         log.info("joined as rank %d after %.2f s of state transfer", comm.rank, time.perf_counter() - started)
 
     def _take_over(self, state: dict[str, Any]) -> None:
@@ -630,9 +624,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             donor, to = rejoin.donor_and_recipients(comm, live())
             if self.replica == donor:
                 self.probes.fault_point("join_transfer", step=attempt.number)  # type: ignore[union-attr]
-                # Lightning's own checkpoint of this moment (what trainer.save_checkpoint writes;
-                # dump_checkpoint has no public alias), plus the protocol's state.
-                checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+                # Lightning's own checkpoint of this moment, plus the protocol's state.
+                checkpoint = _lightning.dump_checkpoint(trainer)
                 state = checkpoint[checkpoint_io.STATE_KEY] = self._recover_state()
                 state["faults_seen"] = self.faults_seen
                 with self.replica_guard("state transfer"):
@@ -742,9 +735,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             return self._forward(step.mine.ids[0])
 
     def _train_results(self) -> Any:
-        # The fit loop's logged values; Lightning exposes no public handle on them (see step_logs).
-        module = self.lightning_module
-        return module.trainer._results if module is not None else None
+        return _lightning.fit_results(self.lightning_module)
 
     def _start_logging(self) -> None:
         self._step_logs.start(self._train_results())
@@ -835,19 +826,13 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         microbatch, means weighted by their size.
         """
         module = self.lightning_module
-        results = module.trainer._results if module is not None else None
+        results = _lightning.fit_results(module)
         if module is None or results is None:
             yield
             return
         results.batch, results.batch_size = batch, None
-        if not first:
-            # A later microbatch is a later batch of the epoch, as with accumulate_grad_batches.
-            module.trainer._logger_connector._first_loop_iter = False
-        previous, module._current_fx_name = module._current_fx_name, "training_step"
-        try:
+        with _lightning.logging_as_training_step(module, first):
             yield
-        finally:
-            module._current_fx_name = previous
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -1,0 +1,79 @@
+"""Every use of Lightning's private API, in one place: what, where, why, and the version checked.
+
+Installation, not the protocol: the strategy adapts Lightning's hooks through public API
+wherever Lightning has one; the few things it cannot reach that way are done here (the
+strategy's) or listed here (the loggers' and step logs' overrides of private members,
+which must stay in their classes). :data:`CHECKED_WITH` is the Lightning release every
+entry was checked against; ``tests/test_lightning_private.py`` checks that each entry of
+:data:`PRIVATE` still exists in the installed Lightning, so an upgrade that moves one
+fails there, naming it, instead of deep inside a training run. Adding a private use
+means adding its row here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+#: The Lightning release the entries below were checked against.
+CHECKED_WITH = "2.6.6"
+
+#: Private member (``Class.attribute``: ``Trainer``, ``LightningModule``, ``CSVLogger``, the CSV
+#: ``ExperimentWriter`` of ``lightning.pytorch``) -> (where it is used, why no public API serves).
+PRIVATE: dict[str, tuple[str, str]] = {
+    "Trainer._accelerator_connector": (
+        "no_distributed_sampler", "the Trainer's use_distributed_sampler has no setter after construction; data placement is the planner's"),
+    "LightningModule._device_mesh": (
+        "set_device_mesh", "LightningModule.device_mesh has no setter; ModelParallelStrategy assigns it the same way"),
+    "Trainer._checkpoint_connector": (
+        "hand_over_checkpoint, dump_checkpoint", "a re-joined rank's checkpoint arrives in memory, and a donor sends "
+        "what trainer.save_checkpoint would write: neither has a public API"),
+    "Trainer._results": (
+        "fit_results; strategies/step_logs.py", "the logged values of a step: no public API exposes per-call values"),
+    "Trainer._logger_connector": (
+        "logging_as_training_step", "a later microbatch of a step is a later batch of the epoch (its _first_loop_iter)"),
+    "LightningModule._current_fx_name": (
+        "logging_as_training_step", "values logged by every microbatch file under training_step, as with accumulate_grad_batches"),
+    "CSVLogger._experiment": (
+        "loggers.py", "the CSV writer has no setter; a new leader's writer must continue the file"),
+    "ExperimentWriter._check_log_dir_exists": (
+        "loggers.py (override)", "it deletes an existing metrics.csv with no option to keep it; a new leader must keep it"),
+}
+
+
+def no_distributed_sampler(trainer: Any) -> None:
+    """Lightning's DistributedSampler would pad with duplicates: training data is the planner's, evaluation an exactly-once split."""
+    trainer._accelerator_connector.use_distributed_sampler = False
+
+
+def set_device_mesh(module: Any, mesh: Any) -> None:
+    """``module.device_mesh``: the replica's mesh."""
+    module._device_mesh = mesh
+
+
+def hand_over_checkpoint(trainer: Any, checkpoint: dict[str, Any]) -> None:
+    """Let Lightning restore ``checkpoint`` (received in memory) right after setup, as ``resume_start`` would from a file."""
+    trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+
+
+def dump_checkpoint(trainer: Any) -> dict[str, Any]:
+    """What ``trainer.save_checkpoint`` would write at this moment, in memory."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)  # type: ignore[no-any-return]
+
+
+def fit_results(module: Any) -> Any:
+    """The fit loop's result collection (the values ``self.log`` stored), or None without a module."""
+    return module.trainer._results if module is not None else None
+
+
+@contextmanager
+def logging_as_training_step(module: Any, first: bool) -> Iterator[None]:
+    """Values logged inside the block file under ``training_step``; ``first=False``: as a later batch of the epoch."""
+    if not first:
+        module.trainer._logger_connector._first_loop_iter = False
+    previous, module._current_fx_name = module._current_fx_name, "training_step"
+    try:
+        yield
+    finally:
+        module._current_fx_name = previous

@@ -1,0 +1,48 @@
+"""Every private Lightning member the package uses (lightning_recover/_lightning.py) exists in the installed Lightning."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+from lightning_recover import _lightning
+
+
+def _instances(tmp: Path) -> dict[str, object]:
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(tmp))
+    return {
+        "Trainer": trainer,
+        "LightningModule": L.LightningModule(),
+        "CSVLogger": CSVLogger(str(tmp)),
+        "ExperimentWriter": ExperimentWriter(str(tmp / "w")),
+    }
+
+
+@pytest.mark.parametrize("member", sorted(_lightning.PRIVATE))
+def test_each_private_member_exists(member: str, tmp_path: Path) -> None:
+    cls, _, attr = member.partition(".")
+    obj = _instances(tmp_path)[cls]
+    assert hasattr(obj, attr), (
+        f"Lightning {L.__version__} has no {member} (checked with {_lightning.CHECKED_WITH}); "
+        f"see lightning_recover/_lightning.py: {_lightning.PRIVATE[member]}"
+    )
+
+
+def test_the_wrappers_reach_what_they_name(tmp_path: Path) -> None:
+    trainer = _instances(tmp_path)["Trainer"]
+    _lightning.no_distributed_sampler(trainer)
+    assert trainer._accelerator_connector.use_distributed_sampler is False  # type: ignore[attr-defined]
+    _lightning.hand_over_checkpoint(trainer, {"state": 1})
+    assert trainer._checkpoint_connector._loaded_checkpoint == {"state": 1}  # type: ignore[attr-defined]
+    module = L.LightningModule()
+    _lightning.set_device_mesh(module, "mesh")
+    assert module.device_mesh == "mesh"
+    module._current_fx_name = "on_train_start"
+    with _lightning.logging_as_training_step(module, first=True):
+        assert module._current_fx_name == "training_step"
+    assert module._current_fx_name == "on_train_start"
