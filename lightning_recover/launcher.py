@@ -680,7 +680,8 @@ def supervise(
     checkpoint write) is ended and judged "stalled". ``hosts`` None: this machine only.
     ``status_root``: where the attempts' status directories go (default: a temporary
     directory here); on several hosts it must be a directory every host shares, or the
-    markers of ranks elsewhere are lost; it is kept, with one ``attempt-K`` directory per attempt. ``unbound``: ranks run unbound (see :func:`build_command`).
+    markers of ranks elsewhere are lost; it is kept, with one ``attempt-K`` directory per
+    attempt. ``unbound``: ranks run unbound (see :func:`build_command`).
     """
     import tempfile
 
