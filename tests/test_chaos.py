@@ -140,8 +140,9 @@ def test_predict_follows_the_quorum_rule() -> None:
 def test_short_campaign_on_fake_hosts_has_no_violation(tmp_path: Path) -> None:
     # Seed 37 draws two supervised runs: an even split of 2 hosts x 2 (host 1 partitioned in a reduce:
     # the leader's side goes on in place, the cut-off ranks leave for want of quorum), and host 2 of 3
-    # lost with its daemon after a rank kill (Open MPI aborts the job; the supervisor relaunches on the
-    # 2 hosts left, from the checkpoint).
+    # lost with its daemon after a rank kill: Open MPI aborts the job and the supervisor relaunches on
+    # the 2 hosts left, from the checkpoint -- or, when the survivor commits the last steps before the
+    # abort reaches it (seen in CI), the job ends in place, as the quorum rule predicts.
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--hosts", "3", "--runs", "2", "--seed", "37", "--steps", "3",
         "--bound", "300", "--out", str(tmp_path),
@@ -156,7 +157,8 @@ def test_short_campaign_on_fake_hosts_has_no_violation(tmp_path: Path) -> None:
     assert table["host faults applied"] == "2", table
     assert int(table["recovered"]) == int(table["faults injected (fired)"]) == 3, table
     assert table["cut-off ranks that left (no quorum)"] == "2", table
-    assert table["relaunched by the supervisor"] == "1; the host's daemon lost: 1", table
+    assert table["relaunched by the supervisor"] in ("0", "1; the host's daemon lost: 1"), table
     runs = [line for line in lines if line.startswith("[")]
-    assert "went on in place" in runs[0] and "relaunched x1 (the host's daemon lost" in runs[1], runs
+    assert "went on in place" in runs[0], runs
+    assert "relaunched x1 (the host's daemon lost" in runs[1] or "went on in place" in runs[1], runs
     assert int(table["corruption checks (all ranks)"]) > 0 and table["sdc false positives"] == "0", table
