@@ -680,6 +680,7 @@ class Recruiter:
     def _merge_in_background(self, att: JoinAttempt, connect: Callable[[], Any], failure: str, name: str) -> None:
         """Reach the replacements (``connect`` returns the inter-communicator) and merge them, on a helper
         thread so the survivors keep training; the attempt holds the result (``merged``) or why not (``error``)."""
+        MPI = _mpi()
 
         def run() -> None:
             try:
