@@ -689,6 +689,8 @@ class Recruiter:
                 att.merged = merged
             except MPI.Exception as exc:
                 att.error = f"{failure}: {exc.Get_error_string()}"
+            except Exception as exc:  # noqa: BLE001 - a thread's exception would vanish and leave the attempt waiting
+                att.error = f"{failure}: {type(exc).__name__}: {exc}"
 
         att.thread = threading.Thread(target=run, name=f"lightning-recover-{name}-{att.number}", daemon=True)
         self.attempt = att
