@@ -464,7 +464,6 @@ class Recruiter:
         if replica != COLD:
             self._start_standby(replica)
             return
-        MPI = _mpi()
         layout = self.comm.layout
         replicas = self.missing
         ranks = tuple(layout.rank_of(r, s) for r in replicas for s in range(layout.shards))
@@ -472,14 +471,7 @@ class Recruiter:
         seat_ = Seat(ranks, self.started_attempts, time.time(), self._context())
         att = JoinAttempt(self.started_attempts, replicas, seat_, survivors=self.comm.world.Get_size())
         dup = self.comm.duplicate_world()
-        info = MPI.Info.Create()
-        info.Set("wdir", os.getcwd())
-        info.Set("bind_to", "none")
-        if self.hosts:
-            info.Set("host", self.hosts)
-        else:
-            # A dead rank's slot is not given back: only an oversubscribed placement finds room.
-            info.Set("map_by", ":OVERSUBSCRIBE")
+        info = self._spawn_info()
         args = ["-m", "lightning_recover.joiner", seat_.to_json(), *self.argv]
 
         self._merge_in_background(
