@@ -188,6 +188,15 @@ def train_worker(
     )
 
 
+def joins_by_replica(records: list[dict]) -> dict[int, list[dict]]:
+    """The ledger's join events per replica, each with the step whose line holds it."""
+    out: dict[int, list[dict]] = {}
+    for rec in records:
+        for j in rec.get("joins", []):
+            out.setdefault(j["replica"], []).append({**j, "step": rec["step"]})
+    return out
+
+
 def ledger_lines(job: MPIJob) -> list[dict]:
     return [json.loads(line) for line in (job.outdir / "ledger.jsonl").read_text().splitlines()]
 

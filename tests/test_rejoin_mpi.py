@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mpirun import MPIJob, assert_reference_run, ledger_lines, train_worker
+from mpirun import MPIJob, assert_reference_run, joins_by_replica, ledger_lines, train_worker
 
 pytestmark = pytest.mark.mpi
 
@@ -36,14 +36,6 @@ def check_exact(job: MPIJob, argv: list[str], replicas: int) -> dict[int, dict]:
     # Every finished rank ran the corruption check after every step: zero false positives.
     assert all(r["sdc_checks"] > 0 and r["sdc_detections"] == 0 for r in results.values()), results
     return results
-
-
-def joins_by_replica(records: list[dict]) -> dict[int, list[dict]]:
-    out: dict[int, list[dict]] = {}
-    for rec in records:
-        for j in rec.get("joins", []):
-            out.setdefault(j["replica"], []).append({**j, "step": rec["step"]})
-    return out
 
 
 def test_two_replicas_lost_at_different_steps_come_back_through_faults_around_their_joins(tmp_path: Path) -> None:

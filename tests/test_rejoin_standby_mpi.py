@@ -15,21 +15,13 @@ import re
 from pathlib import Path
 
 import pytest
-from mpirun import assert_reference_run, ledger_lines, train_worker
+from mpirun import assert_reference_run, joins_by_replica, ledger_lines, train_worker
 
 pytestmark = pytest.mark.mpi
 
 
 def kill(step: int, rank: int, phase: str = "backward") -> dict:
     return {"step": step, "rank": rank, "phase": phase, "kind": "kill"}
-
-
-def joins_by_replica(records: list[dict]) -> dict[int, list[dict]]:
-    out: dict[int, list[dict]] = {}
-    for rec in records:
-        for j in rec.get("joins", []):
-            out.setdefault(j["replica"], []).append({**j, "step": rec["step"]})
-    return out
 
 
 def test_a_lost_replica_comes_back_from_a_warm_standby_and_the_spare_standby_leaves_at_the_end(tmp_path: Path) -> None:
