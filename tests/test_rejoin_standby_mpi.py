@@ -58,6 +58,9 @@ def test_two_losses_close_together_are_both_served_by_standbys(tmp_path: Path) -
     assert sorted(results) == [0, 1, 2, 3], job.describe()
     assert all(r["alive"] == [0, 1, 2, 3] for r in results.values())
     err = job.stderr
+    # Both standbys start together while the job sets up (one after the other, the second was
+    # ready seconds after an early loss): the user sees how many.
+    assert "2 warm standby(s) starting while the job sets up" in err, job.describe()
     assert re.search(r"standby \d+ takes the seat of replica 1", err) and re.search(r"standby \d+ takes the seat of replica 3", err), job.describe()
     assert "spawning" not in err, job.describe()
     # A drop caused by the survivors' own repair never backs off.
