@@ -10,7 +10,8 @@ from pathlib import Path
 import lightning_recover
 from lightning_recover.errors import ERRORS, RecoverError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+# The errors and exit status table lives on the failure-model page of the documentation.
+ERRORS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "failure-model.md"
 
 
 def _exception_classes() -> dict[str, type[BaseException]]:
@@ -30,9 +31,9 @@ def test_every_exception_of_the_package_is_in_the_error_model_and_derives_from_i
     assert all(issubclass(cls, RecoverError) for cls in found.values()), [k for k, c in found.items() if not issubclass(c, RecoverError)]
 
 
-def test_the_readme_table_names_every_exception_with_its_fate() -> None:
-    text = README.read_text()
+def test_the_docs_table_names_every_exception_with_its_fate() -> None:
+    text = ERRORS_PAGE.read_text()
     for key, fate in ERRORS.items():
         name = key.partition(":")[2]
         rows = [line for line in text.splitlines() if line.startswith(f"| `{name}` |")]
-        assert len(rows) == 1 and f"| {fate.fate} |" in rows[0], f"README's error table: {name} ({fate.fate}): {rows}"
+        assert len(rows) == 1 and f"| {fate.fate} |" in rows[0], f"docs/failure-model.md's error table: {name} ({fate.fate}): {rows}"

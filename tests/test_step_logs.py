@@ -2,7 +2,7 @@
 
 :mod:`lightning_recover.strategies.step_logs` against Lightning's own result collection
 (no MPI): per-microbatch capture, the write-back of reduced totals, and the refusals the
-README promises; :mod:`lightning_recover.recovery.step_values` for the key check.
+docs/lightning.md promises; :mod:`lightning_recover.recovery.step_values` for the key check.
 """
 
 from __future__ import annotations
