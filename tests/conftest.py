@@ -1,5 +1,5 @@
-"""Test set-up for both folders (inprocess/, launched/): import paths for the harness, the workers and
-benchmarks/; the session's local Slurm; fake hosts."""
+"""Test set-up for both folders (inprocess/, launched/): import paths for the harness and the
+workers; the session's local Slurm; fake hosts."""
 
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ from lightning_recover.testing.fake_cluster import FakeCluster, cleanup_stale
 
 HERE = Path(__file__).resolve().parent
 # The harness package (tests/harness: launched jobs, Slurm, fake-host probes) and the worker
-# modules are imported by the tests of both folders, and so
-# are the checkout's tools that are not part of the installed package (benchmarks/: the
-# chaos campaign, the goodput model and the benchmark scripts).
-sys.path.insert(0, str(HERE.parent / "benchmarks"))
+# modules are imported by the tests of both folders. benchmarks/ is not put here: the few
+# tests of benchmark scripts say so themselves (harness.benchmark_scripts).
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "workers"))
 

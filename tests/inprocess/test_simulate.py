@@ -20,8 +20,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import simulate  # benchmarks/ is on sys.path (tests/conftest.py)
-from goodput_model import (
+from harness.benchmark_scripts import benchmarks_on_path
+
+benchmarks_on_path()  # benchmarks/ is a folder of scripts, not a package: its modules import by file name
+
+import simulate  # noqa: E402
+from goodput_model import (  # noqa: E402
     DAY,
     HOUR,
     ModelParams,

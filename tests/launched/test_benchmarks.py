@@ -11,8 +11,12 @@ from pathlib import Path
 
 import pytest
 
-import goodput  # benchmarks/ is on sys.path (tests/conftest.py)
-import overhead
+from harness.benchmark_scripts import benchmarks_on_path
+
+benchmarks_on_path()  # benchmarks/ is a folder of scripts, not a package: its modules import by file name
+
+import goodput  # noqa: E402
+import overhead  # noqa: E402
 
 
 def test_kill_plan_lands_every_k_steps_on_distinct_replicas() -> None:

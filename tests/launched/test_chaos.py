@@ -1,5 +1,5 @@
-"""The chaos campaign (benchmarks/chaos.py): its draws are sane, and a short campaign of real
-runs has no violation."""
+"""The chaos campaign (benchmarks/chaos.py): its draws and predictions (lightning_recover.testing.chaos)
+are sane, and a short campaign of real runs has no violation."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chaos import HOST_FAULT_KINDS, JOIN_PHASES, PHASES, ChaosRun, Prediction, draw_host_run, draw_run, predict  # benchmarks/chaos.py (tests/conftest.py puts benchmarks/ on sys.path)
+from lightning_recover.testing.chaos import HOST_FAULT_KINDS, JOIN_PHASES, PHASES, ChaosRun, Prediction, draw_host_run, draw_run, predict
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,7 +8,11 @@ from pathlib import Path
 
 import pytest
 
-import scaling  # benchmarks/ is on sys.path (tests/conftest.py)
+from harness.benchmark_scripts import benchmarks_on_path
+
+benchmarks_on_path()  # benchmarks/ is a folder of scripts, not a package: its modules import by file name
+
+import scaling  # noqa: E402
 
 
 def test_power_and_log_fits_recover_known_curves() -> None:
