@@ -1,4 +1,4 @@
-"""Smoke tests of benchmarks/overhead.py, benchmarks/goodput.py and their launched job (tiny settings).
+"""Smoke tests of the benchmark scripts (benchmarks/common.py's launch, goodput.py, peers.py, ...) and their launched job (tiny settings).
 
 The pure helpers run without MPI; the ``mpi`` tests launch 2-rank jobs of
 ``benchmarks/bench_job.py`` (a few seconds each on an idle machine).
@@ -15,8 +15,8 @@ from harness.benchmark_scripts import benchmarks_on_path
 
 benchmarks_on_path()  # benchmarks/ is a folder of scripts, not a package: its modules import by file name
 
+import common  # noqa: E402
 import goodput  # noqa: E402
-import overhead  # noqa: E402
 
 
 def test_kill_plan_lands_every_k_steps_on_distinct_replicas() -> None:
@@ -61,7 +61,7 @@ def test_newest_checkpoint_counts_versioned_names(tmp_path: Path) -> None:
 def test_bootstrap_interval_brackets_the_ratio() -> None:
     a = [1.0, 1.1, 0.9, 1.05, 0.95] * 4
     b = [2.0, 2.2, 1.8, 2.1, 1.9] * 4
-    lo, hi = overhead.bootstrap_ratio(a, b, n=300)
+    lo, hi = common.bootstrap_ratio(a, b, n=300)
     assert lo <= 0.5 <= hi and hi < 0.7
 
 
@@ -77,9 +77,9 @@ def _losses(path: Path) -> dict[int, float]:
 def test_stock_and_recover_jobs_train_on_the_same_samples(tmp_path: Path) -> None:
     """2 ranks, 2 x 1: the stock ModelParallelStrategy job and the ReCoVer job follow one loss trajectory."""
     common = ["--shards", "1", "--grad-accum", "2", "--mbs", "2", "--steps", "3", "--size", "tiny", "--corpus-bytes", "200000"]
-    stock = overhead.launch(["--system", "stock", "--record-loss", *common], tmp_path / "stock", 90, nprocs=2)
+    stock = common.launch(["--system", "stock", "--record-loss", *common], tmp_path / "stock", 90, nprocs=2)
     assert stock["rc"] == 0, stock["log_tail"]
-    rec = overhead.launch(["--system", "recover", *common], tmp_path / "recover", 90, nprocs=2)
+    rec = common.launch(["--system", "recover", *common], tmp_path / "recover", 90, nprocs=2)
     assert rec["rc"] == 0, rec["log_tail"]
     ref = {d["step"]: d["loss"] for d in goodput.read_jsonl(tmp_path / "recover" / "ledger.jsonl")}
     got = _losses(tmp_path / "stock" / "loss.jsonl")
@@ -96,10 +96,10 @@ def test_checkpoint_restart_job_dies_once_and_resumes_from_the_newest_checkpoint
     """Plain mpiexec: the kill aborts the job; the relaunch resumes at the step-2 checkpoint and finishes."""
     args = ["--system", "cr", "--shards", "1", "--grad-accum", "2", "--mbs", "2", "--steps", "4", "--size", "tiny",
             "--corpus-bytes", "200000", "--ckpt-every", "2", "--kills", json.dumps([{"step": 3, "rank": 1}]), "--record-loss"]
-    first = overhead.launch(args, tmp_path, 90, ft=False, nprocs=2)
+    first = common.launch(args, tmp_path, 90, ft=False, nprocs=2)
     assert first["rc"] != 0 and (tmp_path / "kill0.marker").exists()
     assert goodput.newest_step(tmp_path / "ckpt") == 2
-    second = overhead.launch(args, tmp_path, 90, ft=False, nprocs=2)
+    second = common.launch(args, tmp_path, 90, ft=False, nprocs=2)
     assert second["rc"] == 0, second["log_tail"]
     lines = goodput.read_jsonl(tmp_path / "loss.jsonl")
     # steps 0, 1, 2 before the kill in step 3; step 2 is redone after resuming from the step-2 checkpoint
