@@ -76,10 +76,10 @@ def _losses(path: Path) -> dict[int, float]:
 @pytest.mark.mpi
 def test_stock_and_recover_jobs_train_on_the_same_samples(tmp_path: Path) -> None:
     """2 ranks, 2 x 1: the stock ModelParallelStrategy job and the ReCoVer job follow one loss trajectory."""
-    common = ["--shards", "1", "--grad-accum", "2", "--mbs", "2", "--steps", "3", "--size", "tiny", "--corpus-bytes", "200000"]
-    stock = common.launch(["--system", "stock", "--record-loss", *common], tmp_path / "stock", 90, nprocs=2)
+    shared = ["--shards", "1", "--grad-accum", "2", "--mbs", "2", "--steps", "3", "--size", "tiny", "--corpus-bytes", "200000"]
+    stock = common.launch(["--system", "stock", "--record-loss", *shared], tmp_path / "stock", 90, nprocs=2)
     assert stock["rc"] == 0, stock["log_tail"]
-    rec = common.launch(["--system", "recover", *common], tmp_path / "recover", 90, nprocs=2)
+    rec = common.launch(["--system", "recover", *shared], tmp_path / "recover", 90, nprocs=2)
     assert rec["rc"] == 0, rec["log_tail"]
     ref = {d["step"]: d["loss"] for d in goodput.read_jsonl(tmp_path / "recover" / "ledger.jsonl")}
     got = _losses(tmp_path / "stock" / "loss.jsonl")
