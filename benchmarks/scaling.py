@@ -77,7 +77,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 RANK = ROOT / "benchmarks" / "scaling_rank.py"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import loadavg, wait_quiet  # noqa: E402
+from common import loadavg, wait_quiet  # noqa: E402
 from proctree import ProcessTree, become_subreaper  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "scaling.json"

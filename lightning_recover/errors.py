@@ -5,7 +5,7 @@ handles it or it reaches the user -- the contract the strategy, the engine and t
 launcher keep. This module imports nothing of the package (every layer may import it);
 the classes stay in the modules that raise them and name :class:`RecoverError` as a base
 (beside their old one, so ``except ValueError`` in user code keeps working).
-``tests/test_errors.py`` checks that every exception class of the package is listed here
+``tests/inprocess/test_errors.py`` checks that every exception class of the package is listed here
 with its true base.
 
 The fates (:data:`Fate`):
