@@ -9,11 +9,13 @@ and compares two such recordings bit for bit.
     python benchmarks/trajectories.py compare A_DIR B_DIR
 
 ``record`` runs each configuration of :data:`CONFIGS` as a launched job from REPO (default:
-this checkout), through the launched test harness (``mpirun.py``, found with a glob under
-REPO/tests so a reorganised tests/ folder still works; if its ``train_worker`` helper cannot
-be imported, the job is launched the same way it does: ``lightning-recover launch`` with
-LR_TEST_OUT, OMP_NUM_THREADS=1 and REPO + REPO/benchmarks on PYTHONPATH). Each configuration
-writes OUT_DIR/<config>/: ledger.jsonl, params{R}.pt, rank{R}.json.
+this checkout) through the launched test harness's ``run_mpi`` (``mpirun.py``, found with a
+glob under REPO/tests so a reorganised tests/ folder still works, and imported with REPO first
+on sys.path). Where that harness cannot be imported, or no longer takes a timeout and a hang
+timeout, the job is launched as it launches one: ``lightning-recover launch`` in REPO with
+LR_TEST_OUT, OMP_NUM_THREADS=1 and REPO + REPO/benchmarks on PYTHONPATH. Each configuration
+writes OUT_DIR/<config>/: ledger.jsonl, params{R}.pt, rank{R}.json (and launch{I}.log, the
+job's output); OUT_DIR/RECORDED.json names the commit that was run.
 
 ``compare`` prints one line per configuration (``same`` or the first difference) and last
 ``N/N configurations bitwise equal``; it exits 1 on any difference.
@@ -26,9 +28,10 @@ step at which the replacement is admitted depends on how fast it imports torch; 
 rank sleeps ``--slow-while-rejoining`` (25) seconds after each step while a re-join is open
 or to come: the attempt spawns at the boundary after the sleep that follows the fault's step
 (step 2), and the replacement (ready about 5 s after its spawn on 2 busy cores) is always
-admitted at the next boundary (step 3). The hang configuration (SIGSTOP, evicted by the launcher's watchdog) is
-deterministic in the ledger: the fault's step and replica are fixed, only its detection time
-varies, and that field is dropped (see :data:`VOLATILE_KEYS`). No configuration was replaced.
+admitted at the next boundary (step 3). The hang configuration (SIGSTOP, evicted by the
+launcher's watchdog) is deterministic in the ledger: the fault's step and replica are fixed,
+only its detection time varies, and that field is dropped (see :data:`VOLATILE_KEYS`). No
+configuration was replaced.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib
+import inspect
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -146,30 +151,47 @@ def _harness_runner(repo: Path, worker: Path) -> Callable[[Launch, Path, list[st
         if p in sys.path:
             sys.path.remove(p)
         sys.path.insert(0, p)
+    run_mpi: Callable[..., Any] | None = None
     try:
         harness = importlib.import_module("mpirun")
-        run_mpi = harness.run_mpi
-        harness_root = Path(harness.ROOT).resolve()
+        params = inspect.signature(harness.run_mpi).parameters
+        takes_options = any(q.kind is inspect.Parameter.VAR_KEYWORD for q in params.values()) or {"timeout", "hang_timeout"} <= params.keys()
+        if Path(harness.ROOT).resolve() != repo:
+            print(f"trajectories: {mpirun} runs jobs from {harness.ROOT}, not {repo}; launching mpiexec directly", file=sys.stderr)
+        elif not takes_options:
+            print(f"trajectories: {mpirun}'s run_mpi takes no timeout/hang_timeout; launching mpiexec directly", file=sys.stderr)
+        else:
+            run_mpi = harness.run_mpi
     except (ImportError, AttributeError) as exc:
         print(f"trajectories: {mpirun} not importable ({exc!r}); launching mpiexec directly", file=sys.stderr)
-        run_mpi = None
-        harness_root = None
     rel_worker = str(worker.relative_to(repo))
 
     def run(launch: Launch, outdir: Path, argv: list[str]) -> tuple[int, str]:
         args = [rel_worker, *argv, "--faults", json.dumps(launch.faults)]
-        if run_mpi is not None and harness_root == repo:
+        if run_mpi is not None:
             job = run_mpi(launch.nprocs, args, outdir, timeout=LAUNCH_TIMEOUT_S, hang_timeout=launch.hang_timeout)
             return job.returncode, job.describe()
+        # The harness's launch, done here: the launcher with OUT, one thread, REPO on the path.
         cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(launch.nprocs)]
         if launch.hang_timeout is not None:
             cmd += ["--hang-timeout", str(launch.hang_timeout)]
         cmd += ["--", sys.executable, *args]
         env = dict(os.environ, LR_TEST_OUT=str(outdir), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(repo), str(repo / "benchmarks")]))
-        proc = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S,
-                              start_new_session=True)
-        return proc.returncode, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            # SIGTERM: the launcher forwards it to mpiexec's session; then reap what is left.
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                stdout, stderr = proc.communicate()
+            raise SystemExit(f"trajectories: job timed out after {LAUNCH_TIMEOUT_S}s: {args}\n{stderr[-5000:]}")
+        return proc.returncode, f"rc={proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
 
     return run
 
@@ -182,6 +204,11 @@ def record(out_dir: Path, repo: Path, only: list[str] | None) -> None:
     # is the defaults (mpi data plane, auto replica plane).
     for var in ("RECOVER_TEST_DATA_PLANE", "RECOVER_TEST_REPLICA_PLANE"):
         os.environ.pop(var, None)
+    # Which code made the recording: compare prints nothing about it, a reader of OUT_DIR needs it.
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True).stdout
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "RECORDED.json").write_text(json.dumps({"repo": str(repo), "commit": head, "uncommitted_changes": bool(dirty.strip())}) + "\n")
     names = only or list(CONFIGS)
     for name in names:
         if name not in CONFIGS:
