@@ -19,7 +19,7 @@ Options: ``--sizes-mb 4 64``, ``--ranks 2 4``, ``--iters``, ``--warmup``,
 ``--timeout`` (seconds per mpiexec job).
 
 ``--data-planes`` also times the cross-replica reduction over each data plane
-(:mod:`lightning_recover.data_plane`): ``FaultTolerantComm(data_plane="mpi")`` and
+(:mod:`lightning_recover.comm.data_plane`): ``FaultTolerantComm(data_plane="mpi")`` and
 ``FaultTolerantComm(data_plane="gloo")`` reducing ``across="replicas"`` (one shard, so the
 whole world), out of place, at every buffer size with the bucket size above and at the
 largest size with every swept bucket size. The last line is then the headline ratio
@@ -95,12 +95,12 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from lightning_recover import lifecycle
+    from lightning_recover.runtime import lifecycle
 
     lifecycle.prepare_mpi()
     from mpi4py import MPI
 
-    from lightning_recover.communicator import DEFAULT_BUCKET_BYTES, FaultTolerantComm
+    from lightning_recover.comm.communicator import DEFAULT_BUCKET_BYTES, FaultTolerantComm
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD

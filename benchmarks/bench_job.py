@@ -62,7 +62,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from lightning_recover.planner import MicrobatchPlanner  # noqa: E402
+from lightning_recover.workload.planner import MicrobatchPlanner  # noqa: E402
 from model import GPT, SIZES, ByteDataset, read_corpus  # noqa: E402
 
 SYSTEMS = ("recover", "adaptive", "stock", "stock-naive", "ddp", "cr")
@@ -87,7 +87,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data-plane", default="mpi", help="recover: recover.data_plane (mpi, gloo)")
     ap.add_argument("--replica-plane", default="auto", help="recover: recover.replica_plane (auto, mpi, torch)")
     ap.add_argument("--mpi-wait", default=None, choices=["auto", "spin", "sleep"],
-                    help="recover: LIGHTNING_RECOVER_MPI_WAIT (how MPI collectives wait; see lightning_recover/mpi_wait.py)")
+                    help="recover: LIGHTNING_RECOVER_MPI_WAIT (how MPI collectives wait; see lightning_recover/comm/mpi_wait.py)")
     ap.add_argument("--no-overlap", action="store_true", help="recover: recover.overlap=false (reduce after backward)")
     ap.add_argument("--sync-every-microbatch", action="store_true", help="recover: reduce-scatter inside a replica after every microbatch")
     ap.add_argument("--kills", default="[]", help='cr: JSON list of {"step": t, "rank": r}')

@@ -46,7 +46,7 @@ every agreement and repair bounded by :data:`REPAIR_BOUND_S`
 relaunches it from the newest checkpoint on the hosts it can still reach (the ssh
 stand-in refuses a cut-off host and never answers for a frozen one, as ssh would); the
 relaunch runs without faults. Each run's outcome is predicted with the no-split-brain rule
-(:mod:`lightning_recover.quorum`, the same inputs the survivors have) and checked:
+(:mod:`lightning_recover.comm.quorum`, the same inputs the survivors have) and checked:
 
 * it ends within the bound (else a *hang*), with the launcher's status 0, every step in
   the ledger once and exact against the fault-free reference (every attempt's ledger, as
@@ -191,7 +191,7 @@ def job(config_path: str, resume: bool = False) -> None:
 
     from lightning_recover.callbacks import CorruptionCheck, FaultInjection
     from lightning_recover.callbacks.checkpoint import fallback_checkpoint, resolve_ckpt_path
-    from lightning_recover.launcher import ENV_ATTEMPT
+    from lightning_recover.cli.launcher import ENV_ATTEMPT
     from lightning_recover.strategies import ReCoVerHSDPStrategy
 
     cfg = json.loads(Path(config_path).read_text())
@@ -244,7 +244,7 @@ def reference_run(B: int, steps: int, seed: int, samples_per_microbatch: int = S
         return _REFERENCE[key]
     import torch
 
-    from lightning_recover.planner import MicrobatchPlanner
+    from lightning_recover.workload.planner import MicrobatchPlanner
 
     torch.set_num_threads(1)
     model, data = build_tiny(seed)
@@ -276,8 +276,8 @@ def reference_run(B: int, steps: int, seed: int, samples_per_microbatch: int = S
 # ---------------------------------------------------------------------- driver
 
 def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) -> Outcome:
-    from lightning_recover.launcher import RUNTIME_START_FAILURE, build_command, launch_env, run_supervised
-    from lightning_recover.ledger import LedgerWriter, check_ledger, read_ledger
+    from lightning_recover.cli.launcher import RUNTIME_START_FAILURE, build_command, launch_env, run_supervised
+    from lightning_recover.audit.ledger import LedgerWriter, check_ledger, read_ledger
 
     if outdir.exists():
         shutil.rmtree(outdir)  # a result file left by an earlier campaign must never count as a survivor
@@ -359,7 +359,7 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
 
 
 def _write_reference(run: ChaosRun, path: Path, steps: int) -> None:
-    from lightning_recover.ledger import LedgerWriter
+    from lightning_recover.audit.ledger import LedgerWriter
 
     with LedgerWriter(path) as ref:
         for step, loss in enumerate(reference_run(run.B, run.steps, run.seed)[0][:steps]):
@@ -375,7 +375,7 @@ def execute_on_hosts(
 ) -> Outcome:
     """Launch ``run`` supervised on the fake hosts, let the harness apply its host fault, and judge every
     attempt against ``pred`` (module docstring)."""
-    from lightning_recover.ledger import LedgerFormatError, check_ledger, read_ledger
+    from lightning_recover.audit.ledger import LedgerFormatError, check_ledger, read_ledger
 
     if outdir.exists():
         shutil.rmtree(outdir)  # a result file left by an earlier campaign must never count as a survivor

@@ -665,7 +665,7 @@ def pause_from_ledger(path: str | os.PathLike[str]) -> tuple[float, int]:
     from the failed reduce to the commit of the step: repair, re-planning, replayed
     microbatches and the re-reduction of stale buckets (not the time to detect a hung rank).
     """
-    from lightning_recover.ledger import read_ledger
+    from lightning_recover.audit.ledger import read_ledger
 
     values: list[float] = []
     for rec in read_ledger(path):
@@ -692,7 +692,7 @@ def rejoin_pause_from_ledger(path: str | os.PathLike[str]) -> tuple[float, int] 
     ``rejoin=True``, or whose joins all have ``pause_s`` null). The median, not the mean: one
     join that met a fault in its transfer would otherwise stand for all of them.
     """
-    from lightning_recover.ledger import read_ledger
+    from lightning_recover.audit.ledger import read_ledger
 
     values: list[float] = []
     for rec in read_ledger(path):

@@ -217,7 +217,7 @@ class Killer:
 
 
 def job_env() -> dict[str, str]:
-    from lightning_recover.launcher import launch_env
+    from lightning_recover.cli.launcher import launch_env
 
     env = launch_env()
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
@@ -230,7 +230,7 @@ def planner_indices(args: argparse.Namespace) -> Callable[[int], list[int]]:
     sys.path.insert(0, str(ROOT / "examples"))
     from model import SIZES, ByteDataset, read_corpus
 
-    from lightning_recover.planner import MicrobatchPlanner
+    from lightning_recover.workload.planner import MicrobatchPlanner
 
     n = len(ByteDataset(read_corpus(max_bytes=CORPUS_BYTES), SIZES[args.size]["block_size"]))
     planner = MicrobatchPlanner(n, REPLICAS * args.grad_accum, args.mbs, shards=1, seed=SEED)

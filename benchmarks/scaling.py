@@ -11,7 +11,7 @@ printed as a table with its fitted growth:
    the cores), inside a :class:`proctree.ProcessTree` under a hard timeout, so the job's
    whole process tree is ended by pid before the next launch, also on a timeout; what had
    to be ended is printed. Every rank is one replica of a
-   :class:`~lightning_recover.communicator.FaultTolerantComm` reducing a tiny buffer
+   :class:`~lightning_recover.comm.communicator.FaultTolerantComm` reducing a tiny buffer
    (``--numel`` fp32 in ``--bucket-bytes`` buckets) and nothing else (no model, no
    Lightning). ``--faults`` ranks (never the leader) are SIGKILLed one after the other, each
    by itself with ``os.kill`` in the middle of a step's bucketed reduction; the survivors
@@ -30,19 +30,19 @@ printed as a table with its fitted growth:
    * ``recovery``: SIGKILL -> committed everywhere (the sum of the above).
 
    The value per N is the median over its faults (``--repeats`` jobs per N pool theirs). The ranks wait politely
-   (:mod:`lightning_recover.mpi_wait`: an oversubscribed host's reductions sleep instead of
+   (:mod:`lightning_recover.comm.mpi_wait`: an oversubscribed host's reductions sleep instead of
    spinning), but ULFM's agreement and shrink are blocking MPI calls that poll: with 32 or
    64 ranks on 2 cores their time is mostly the scheduler's, and the curve measures this
    machine, not a cluster with a core per rank.
 
-2. **The policy's planning time** (pure: :class:`lightning_recover.policy.StaticWorld`, no
+2. **The policy's planning time** (pure: :class:`lightning_recover.workload.policy.StaticWorld`, no
    MPI) at ``--plan-replicas`` W (10^3-10^5), G_init = 2, T = W (no spares, so a loss is a
    boundary step that replays its ids over every survivor, the policy's costliest path):
    ``begin_step`` over W live replicas, ``fail`` of one contributor, ``commit``; the median of
    ``--plan-reps`` fresh policies. Every rank of every replica runs this plan each step.
 
 3. **The ledger line at B = ``--ledger-B``** (8192): the JSON line the leader appends per
-   committed step (:class:`lightning_recover.ledger.LedgerWriter`, one fsync'ed write),
+   committed step (:class:`lightning_recover.audit.ledger.LedgerWriter`, one fsync'ed write),
    built as the step engine builds it (the policy's commit record plus the engine's
    fields), fault-free and with one fault, for several W x G = B; bytes and write time.
 
@@ -52,7 +52,7 @@ Growth is fitted per quantity by least squares on the per-size medians: ``t = a 
 ``recovery time 4 -> 64 ranks: x.xx s -> y.yy s, growth ~ n^k; ...``.
 
 Torch in the ranks: the brief of issue 23 asks for layer 1 without torch, but
-``lightning_recover.communicator`` and ``lightning_recover.data_plane`` import torch at
+``lightning_recover.comm.communicator`` and ``lightning_recover.comm.data_plane`` import torch at
 module level, so every rank loads it (~1.4 s CPU and ~150 MiB private memory each here);
 the table shows each job's start-up and peak RSS, and the JSON records it per rank.
 """
@@ -163,7 +163,7 @@ def victims_for(n: int, faults: int) -> list[int]:
 def run_job(n: int, args: argparse.Namespace, outdir: Path) -> dict[str, Any]:
     """Launch one N-rank job of scaling_rank.py; its whole process tree is gone when this returns."""
     outdir.mkdir(parents=True, exist_ok=True)
-    from lightning_recover.launcher import launch_env
+    from lightning_recover.cli.launcher import launch_env
 
     victims = victims_for(n, args.faults)
     # 64 ranks importing torch on 2 busy cores took 2-5 minutes to start here
@@ -262,7 +262,7 @@ def pool(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- policy
 def time_planning(W: int, reps: int, G_init: int = 2) -> dict[str, Any]:
     """Median seconds of one faulty step's planning at W replicas (see the module docstring)."""
-    from lightning_recover.policy import StaticWorld
+    from lightning_recover.workload.policy import StaticWorld
 
     rows: list[dict[str, float]] = []
     for _ in range(reps):
@@ -285,8 +285,8 @@ def time_planning(W: int, reps: int, G_init: int = 2) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- ledger
 def ledger_line(B: int, W: int, fault: bool, path: Path) -> dict[str, Any]:
     """Bytes and write time of one ledger line at B = W * G (fault: one contributor lost in the step)."""
-    from lightning_recover.ledger import LedgerWriter
-    from lightning_recover.policy import StaticWorld
+    from lightning_recover.audit.ledger import LedgerWriter
+    from lightning_recover.workload.policy import StaticWorld
 
     if B % W:
         raise ValueError(f"B={B} must be a multiple of W={W}")
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     if curve and not all(pt["torch_loaded"] for pt in curve):
         print("note: some ranks ran without torch")
     elif curve:
-        print("note: every rank loaded torch (lightning_recover.communicator imports it at module level); "
+        print("note: every rank loaded torch (lightning_recover.comm.communicator imports it at module level); "
               "start-up and rss/rank above include it")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 Contract: launched by ``scaling.py`` through ``lightning-recover launch -n N`` (i.e.
 ``mpiexec --with-ft ulfm``, ``--oversubscribe`` past the cores). Every rank builds a
-:class:`~lightning_recover.communicator.FaultTolerantComm` (one shard, so every rank is a
+:class:`~lightning_recover.comm.communicator.FaultTolerantComm` (one shard, so every rank is a
 replica) with a tiny buffer (``--numel`` fp32 in ``--bucket-bytes`` buckets), and then, for
 each victim named by ``--victims`` (original world ranks, in order), runs one *faulty step*:
 
@@ -22,11 +22,11 @@ each victim named by ``--victims`` (original world ranks, in order), runs one *f
 4. the re-reduced sums are checked exactly against the survivors' values.
 
 Each survivor writes ``rank<r>.json`` (its stamps, start-up times, peak RSS, whether torch
-was loaded) into ``--out`` and ends through :func:`lightning_recover.lifecycle.end_job`.
+was loaded) into ``--out`` and ends through :func:`lightning_recover.runtime.lifecycle.end_job`.
 The driver turns the stamps into per-phase times (see ``scaling.py``).
 
-Torch: this file never imports torch itself, but ``lightning_recover.communicator`` (and
-``lightning_recover.data_plane`` under it) import torch at module level, so every rank loads
+Torch: this file never imports torch itself, but ``lightning_recover.comm.communicator`` (and
+``lightning_recover.comm.data_plane`` under it) import torch at module level, so every rank loads
 it; the rank records how long that import took and its memory, and ``scaling.py`` reports it.
 """
 
@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     victims = [int(v) for v in args.victims.split(",") if v]
-    from lightning_recover import lifecycle, mpi_wait
+    from lightning_recover.comm import mpi_wait
+    from lightning_recover.runtime import lifecycle
 
     lifecycle.prepare_mpi()
     from mpi4py import MPI  # MPI_Init happens here
@@ -68,8 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     t_mpi = time.monotonic()
     torch_before = "torch" in sys.modules
     # This import loads torch (communicator.py and data_plane.py import it at module level).
-    from lightning_recover.communicator import FaultTolerantComm
-    from lightning_recover.recovery.interface import PeerFailure
+    from lightning_recover.comm.communicator import FaultTolerantComm
+    from lightning_recover.comm.interface import PeerFailure
 
     t_import = time.monotonic()
     torch = sys.modules["torch"]  # already loaded by the communicator; the tensors below use it

@@ -47,7 +47,7 @@ def fingerprint_cost(size: str, repeats: int = 10) -> tuple[float, int]:
     from model import GPT, SIZES
 
     from lightning_recover.callbacks.corruption_check import state_tensors
-    from lightning_recover.corruption import fingerprint
+    from lightning_recover.audit.corruption import fingerprint
 
     torch.set_num_threads(1)
     model = GPT(**SIZES[size], dropout=0.0, warmup_steps=2)

@@ -79,12 +79,12 @@ def run_stamp() -> str:
         if "LR_RUN_STAMP" not in os.environ and env_world_size() > 1:
             import mpi4py
 
-            mpi4py.rc.finalize = False  # as lightning_recover.communicator: never block in MPI_Finalize
+            mpi4py.rc.finalize = False  # as lightning_recover.comm.communicator: never block in MPI_Finalize
             from mpi4py import MPI
 
             stamp = MPI.COMM_WORLD.bcast(stamp, root=0)
             # Exported in a launched job: a replacement spawned by hot re-join takes the survivors'
-            # LR_* variables (lightning_recover.rejoin.job_environ), so it writes into this same run
+            # LR_* variables (lightning_recover.membership.rejoin.job_environ), so it writes into this same run
             # directory (its own spawn's rank 0 would stamp another one).
             os.environ["LR_RUN_STAMP"] = stamp
         _STAMP = stamp
@@ -380,8 +380,8 @@ def build_loggers(run_dir: Path) -> list[Any]:
 
 
 def leader_csv_logger(run_dir: Path) -> Any:
-    """CSV rows that survive a change of leader (see lightning_recover.loggers)."""
-    from lightning_recover.loggers import LeaderCSVLogger
+    """CSV rows that survive a change of leader (see lightning_recover.callbacks.loggers)."""
+    from lightning_recover.callbacks.loggers import LeaderCSVLogger
 
     return LeaderCSVLogger(run_dir, name="logs")
 
@@ -612,7 +612,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from lightning_recover.slurm import refuse_direct_launch
+    from lightning_recover.runtime.slurm import refuse_direct_launch
 
     # Before Hydra creates the run directory and before MPI starts (run_stamp broadcasts over it):
     # a direct `srun -n N` start stops here on every task, leaving nothing behind.

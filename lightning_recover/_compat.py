@@ -17,7 +17,7 @@ Where a release was checked, and how:
   ``set_reduce_scatter_divide_factor`` on torch < 2.8. Both are needed on gloo (see
   :mod:`lightning_recover.strategies.sharding`), so they need 2.8.
 * ``FSDPModule.set_custom_all_gather`` and ``set_custom_reduce_scatter`` (the replica
-  plane, :mod:`lightning_recover.strategies.replica_plane`): pytorch/pytorch#155189
+  plane, :mod:`lightning_recover.comm.replica_plane`): pytorch/pytorch#155189
   ("support custom all_gather and reduce_scatter comms"), approved in July 2025, after the
   2.8 branch cut, so 2.9 is the floor.
 * ``torch.distributed.fsdp.fully_shard`` / ``FSDPModule``: the public FSDP2 path since 2.6

@@ -41,11 +41,11 @@ __all__ = [
     "SDCConfig",
 ]
 
-# Workload policies by config name (built by lightning_recover.policy.make_policy).
+# Workload policies by config name (built by lightning_recover.workload.policy.make_policy).
 POLICY_NAMES: tuple[str, ...] = ("static", "adaptive")
-# Transports of the cross-replica gradient buckets (lightning_recover.data_plane); the first is the default.
+# Transports of the cross-replica gradient buckets (lightning_recover.comm.data_plane); the first is the default.
 DATA_PLANES: tuple[str, ...] = ("mpi", "gloo", "nccl")
-# Transports of FSDP2's collectives inside a replica (lightning_recover.strategies.replica_plane).
+# Transports of FSDP2's collectives inside a replica (lightning_recover.comm.replica_plane).
 REPLICA_PLANES: tuple[str, ...] = ("auto", "mpi", "torch")
 # Gradient bucket of the cross-replica reduction, MiB (4 MiB = communicator.DEFAULT_BUCKET_BYTES).
 DEFAULT_BUCKET_MB = 4.0
@@ -209,7 +209,7 @@ class RecoverConfig:
             ablation, which has no spares, so T must be all replicas).
         min_replicas: stop with a clear error when fewer replicas are alive.
         bucket_mb: gradient bucket size (MiB) of the cross-replica reduction.
-        data_plane: what carries those buckets (:mod:`lightning_recover.data_plane`): "mpi"
+        data_plane: what carries those buckets (:mod:`lightning_recover.comm.data_plane`): "mpi"
             (ULFM MPI itself), "gloo" (a torch.distributed gloo group per world epoch; CPU)
             or "nccl" (an NCCL group per world epoch; CUDA only). ULFM MPI stays the
             control plane (failure detection, agreement, membership) in every case.
@@ -229,7 +229,7 @@ class RecoverConfig:
             this long. None = the hang timeout; 0 = off. See :meth:`watchdog_timeouts`.
         checkpoint: the fallback checkpoints (:class:`CheckpointConfig`).
         sdc: the silent-data-corruption checks (:class:`SDCConfig`).
-        rejoin: hot re-join (:mod:`lightning_recover.rejoin`): after losing replicas the
+        rejoin: hot re-join (:mod:`lightning_recover.membership.rejoin`): after losing replicas the
             job spawns replacements (the same interpreter and argv) up to the replica count
             it started with; they receive the live state and take work back. Off by default.
         rejoin_hosts: comma-separated hosts the replacements are placed on (Open MPI's

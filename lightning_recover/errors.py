@@ -53,21 +53,21 @@ class ErrorFate:
 
 #: Every exception class of the package (``module:Class``) and its fate.
 ERRORS: dict[str, ErrorFate] = {
-    "lightning_recover.recovery.interface:PeerFailure": ErrorFate(
+    "lightning_recover.comm.interface:PeerFailure": ErrorFate(
         "repaired", "a peer died during a collective; the survivors repair and redo the step in place"),
-    "lightning_recover.strategies.replica_plane:ReplicaPlaneError": ErrorFate(
+    "lightning_recover.comm.replica_plane:ReplicaPlaneError": ErrorFate(
         "gate", "a replica-local collective failed (a replica-mate died): this replica leaves, the others go on"),
-    "lightning_recover.policy:TooFewReplicasError": ErrorFate(
+    "lightning_recover.workload.policy:TooFewReplicasError": ErrorFate(
         "stop", "fewer live replicas than min_replicas: stop with shutdown(exit_code=3) and relaunch from the newest checkpoint"),
     "lightning_recover.config:ConfigurationError": ErrorFate(
         "user", "a setting is wrong; the message names it and the fix (raised before the first step)"),
-    "lightning_recover.communicator:ULFMUnavailableError": ErrorFate(
+    "lightning_recover.comm.communicator:ULFMUnavailableError": ErrorFate(
         "user", "the MPI has no working fault tolerance (a trial revoke failed): install Open MPI 5 with ULFM, launch with --with-ft ulfm"),
-    "lightning_recover.policy:PolicyError": ErrorFate(
+    "lightning_recover.workload.policy:PolicyError": ErrorFate(
         "user", "the workload policy was asked for something impossible (e.g. B not divisible); the message names it"),
-    "lightning_recover.policy:ReplicaNotLiveError": ErrorFate(
+    "lightning_recover.workload.policy:ReplicaNotLiveError": ErrorFate(
         "user", "a bug: the policy was asked about a replica that is not live; report it with the traceback"),
-    "lightning_recover.data_plane:DataPlaneError": ErrorFate(
+    "lightning_recover.comm.data_plane:DataPlaneError": ErrorFate(
         "user", "a data-plane transport error the control plane did not confirm as a peer failure (e.g. a network fault)"),
     "lightning_recover.callbacks.epoch_check:StaleBucketError": ErrorFate(
         "user", "a bucket reduced under an older membership was about to be committed; a bug: report it with the traceback"),
@@ -75,9 +75,9 @@ ERRORS: dict[str, ErrorFate] = {
         "user", "replicas computed different results twice in a row (persistent hardware fault): relaunch without that hardware"),
     "lightning_recover.recovery.step_values:LoggedKeysMismatch": ErrorFate(
         "user", "ranks logged different keys with sync_dist=True in one step: log the same names on every rank"),
-    "lightning_recover.ledger:LedgerFormatError": ErrorFate(
+    "lightning_recover.audit.ledger:LedgerFormatError": ErrorFate(
         "user", "a ledger file is not the strategy's (check-ledger and report): the message names the line"),
-    "lightning_recover.report:ReportError": ErrorFate(
+    "lightning_recover.audit.report:ReportError": ErrorFate(
         "user", "lightning-recover report cannot read its input: the message names it"),
     "lightning_recover.testing.fake_cluster:MissingCapability": ErrorFate(
         "test", "fake hosts need root, iproute2 and util-linux: the message names what is missing"),

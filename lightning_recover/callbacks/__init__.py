@@ -9,6 +9,16 @@ module buffers after each committed step (:class:`BufferSync`); with ``recover.s
 that the replicas' state still agrees bit for bit (:class:`CorruptionCheck`). The strategy installs
 default instances before Lightning's setup hooks run; pass configured ones in
 ``Trainer(callbacks=[...])`` to replace them. :class:`RecoveryCallback` is the base for your own.
+
+  base               RecoveryCallback: a Lightning callback that also gets the recovery hooks
+  reduction_buffers  where the sums land and what a spare sends
+  epoch_check        only buckets reduced under one world epoch are committed
+  boundary           which extra microbatches a replica runs after a failure
+  buffer_sync        every live rank holds the leader's module buffers after each commit
+  corruption_check   with recover.sdc on: the replicas still agree bit for bit
+  fault_injection    scripted faults at named points of a step (tests, chaos campaign)
+  checkpoint         fallback checkpoints: where they go, which one a restart resumes
+  loggers            logs (CSV, TensorBoard) that survive a change of leader
 """
 
 from lightning_recover.callbacks.base import RecoveryCallback

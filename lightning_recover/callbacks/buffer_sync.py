@@ -42,7 +42,7 @@ import torch
 from typing_extensions import override
 
 from lightning_recover.callbacks.base import RecoveryCallback
-from lightning_recover.corruption import Fingerprint, fingerprint
+from lightning_recover.audit.corruption import Fingerprint, fingerprint
 from lightning_recover.recovery.state import StepState
 
 # Each buffer starts at a multiple of this many bytes in the packed message, so the bytes
@@ -51,7 +51,7 @@ _ALIGN = 16
 
 
 class BufferComm(Protocol):
-    """What the sync needs of the communicator (:class:`~lightning_recover.communicator.FaultTolerantComm`)."""
+    """What the sync needs of the communicator (:class:`~lightning_recover.comm.communicator.FaultTolerantComm`)."""
 
     def broadcast_tensors(self, tensors: Sequence[torch.Tensor], root: int = 0, across: str = "replicas") -> None: ...
 

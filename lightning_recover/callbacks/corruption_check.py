@@ -1,9 +1,9 @@
 """Silent-data-corruption check: compare the replicas' state after a commit, repair or evict the odd one.
 
 After every N-th committed step (``recover.sdc.every_n_steps``) each rank fingerprints its
-parameter shards and optimizer state (:func:`lightning_recover.corruption.fingerprint`)
+parameter shards and optimizer state (:func:`lightning_recover.audit.corruption.fingerprint`)
 and every rank gathers every rank's print (one small collective). Replicas of the same
-shard index must agree bit for bit; :func:`~lightning_recover.corruption.arbitrate` names
+shard index must agree bit for bit; :func:`~lightning_recover.audit.corruption.arbitrate` names
 the odd ones out by majority. Then, on every rank alike:
 
 * ``repair`` (default): the healthy replica with the lowest index broadcasts its
@@ -44,9 +44,9 @@ import torch
 from typing_extensions import override
 
 from lightning_recover.errors import RecoverError
-from lightning_recover import lifecycle
+from lightning_recover.runtime import lifecycle
 from lightning_recover.callbacks.base import RecoveryCallback
-from lightning_recover.corruption import Fingerprint, Verdict, arbitrate, fingerprint
+from lightning_recover.audit.corruption import Fingerprint, Verdict, arbitrate, fingerprint
 from lightning_recover.recovery.state import StepState
 
 __all__ = ["CorruptionCheck", "SilentDataCorruptionError", "state_tensors"]

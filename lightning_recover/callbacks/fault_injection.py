@@ -13,7 +13,7 @@ after (before it waits for the survivors' decision), ``join_transfer`` in
 the donor before it sends the live state and in a replacement before it receives it, and
 ``joined`` in a replacement at the start of its first step. ``collective`` and
 ``collective_done`` fire in this rank's ``microbatch``-th call (0-based, counted within
-step ``step``) over ``strategy.replica_group`` (:mod:`lightning_recover.process_group`):
+step ``step``) over ``strategy.replica_group`` (:mod:`lightning_recover.comm.process_group`):
 before its MPI calls (its peers are left waiting inside the collective), and after they
 returned, before the survivors agree on the result (its peers may have completed it).
 ``kind`` is kill (SIGKILL), hang (SIGSTOP: no thread of the process runs) or stuck (the

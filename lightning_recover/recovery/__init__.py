@@ -1,13 +1,14 @@
-"""In-step recovery (layer 2): the step engine and the contracts it runs against.
+"""In-step recovery (layer 2): the step engine and what it keeps of a step.
 
-  buckets     gradient buckets tagged with the world epoch they were reduced in
-  interface   the communicator contract (ReplicaComm, PeerFailure, RepairResult)
+The communicator contract it runs against (:mod:`lightning_recover.comm.interface`,
+:mod:`lightning_recover.comm.buckets`) belongs to layer 1; the simulated world that keeps it
+in one process is :mod:`lightning_recover.testing.fake`.
+
   state       StepState: everything one optimizer step knows, in one object
   hooks       the recovery hooks callbacks implement, and their dispatch
   engine      StepEngine: plan, compute, reduce, agree, repair, replay, commit
   overlap     the overlapped reduction: buckets reduced while backward runs
   step_values the step's loss and logged values, summed once at the commit
-  fake        FakeWorld: N simulated replicas in one process, scripted failures (tests)
 
 Nothing here imports Lightning or MPI.
 """

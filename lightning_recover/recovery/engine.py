@@ -2,7 +2,7 @@
 
 The engine runs against three small contracts, so it needs neither Lightning nor MPI:
 
-* a :class:`~lightning_recover.recovery.interface.ReplicaComm` (ULFM in production, an
+* a :class:`~lightning_recover.comm.interface.ReplicaComm` (ULFM in production, an
   in-process fake in tests);
 * a :class:`MicrobatchRunner` that computes one step-local microbatch (forward and
   backward, accumulating into the gradients) and hands out the local gradient tensors;
@@ -62,10 +62,10 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from lightning_recover.policy import WorkloadPolicy
+from lightning_recover.workload.policy import WorkloadPolicy
 from lightning_recover.recovery.hooks import Dispatch
 from lightning_recover.recovery import step_values
-from lightning_recover.recovery.interface import PeerFailure, RepairResult, ReplicaComm
+from lightning_recover.comm.interface import PeerFailure, RepairResult, ReplicaComm
 from lightning_recover.recovery.overlap import HelperThread, OverlappedReduction
 from lightning_recover.recovery.state import Join, Schedule, StepState
 

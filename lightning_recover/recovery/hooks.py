@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_recover.recovery.interface import RepairResult
+    from lightning_recover.comm.interface import RepairResult
     from lightning_recover.recovery.state import Join, StepState
 
 RECOVERY_HOOKS = (

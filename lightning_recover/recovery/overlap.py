@@ -37,8 +37,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_recover.recovery.buckets import ReduceHandle
-from lightning_recover.recovery.interface import ReplicaComm
+from lightning_recover.comm.buckets import ReduceHandle
+from lightning_recover.comm.interface import ReplicaComm
 
 __all__ = ["HelperThread", "OverlappedReduction"]
 

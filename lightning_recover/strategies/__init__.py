@@ -6,13 +6,12 @@
   sharding        FSDP2 inside a replica (summing), local shards
   probes          watchdog progress and fault-injection points of a step
   checkpoint_io   the fallback checkpoint's file layout
-  replica_plane   the replica-local collectives over MPI (all-gather, reduce-scatter)
   step_logs       self.log inside a step: reduced once, at the commit
   evaluation_loader  validation/test/predict batches split across live replicas
 """
 
 from lightning_recover.config import ConfigurationError, RecoverConfig
-from lightning_recover.data import StepTicket
+from lightning_recover.feed.data import StepTicket
 from lightning_recover.strategies.recover_hsdp import ReCoVerHSDPStrategy
 
 __all__ = ["ConfigurationError", "ReCoVerHSDPStrategy", "RecoverConfig", "StepTicket"]

@@ -1,6 +1,6 @@
 """The loader Lightning iterates for validation, test and predict: this rank's exactly-once share.
 
-It yields this rank's batches of the :class:`~lightning_recover.evaluation.EvaluationPlan`
+It yields this rank's batches of the :class:`~lightning_recover.feed.evaluation.EvaluationPlan`
 through a DataLoader built from the user's (same dataset, collate_fn, workers, pinning),
 then every live rank agrees that its share is done. If the agreement fails, a replica
 died during the evaluation: the world is repaired (the engine accounts it like any
@@ -24,8 +24,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from lightning_recover.evaluation import Batches, EvaluationPlan
-from lightning_recover.recovery.interface import RepairResult
+from lightning_recover.feed.evaluation import Batches, EvaluationPlan
+from lightning_recover.comm.interface import RepairResult
 
 
 class EvaluationLoader:

@@ -1,7 +1,7 @@
 """What watches a step from outside: the hang watchdog's progress rule and fault injection.
 
 The step engine reports through :class:`~lightning_recover.recovery.engine.Probes`; this is
-the strategy's implementation. The watchdog (:mod:`lightning_recover.watchdog`) must tell
+the strategy's implementation. The watchdog (:mod:`lightning_recover.runtime.watchdog`) must tell
 a rank *stuck in compute* from one that is slow or merely waiting on peers: the rank is
 "computing" only inside a step, not while blocked in a collective, and it ticks per layer
 (:func:`install_progress_hooks`). Fault injection fires the scheduled kills of
@@ -20,7 +20,7 @@ from typing_extensions import override
 
 from lightning_recover.callbacks.fault_injection import FaultInjection
 from lightning_recover.recovery.engine import Probes
-from lightning_recover.watchdog import HangWatchdog
+from lightning_recover.runtime.watchdog import HangWatchdog
 
 
 def install_progress_hooks(model: torch.nn.Module, tick: Callable[[], None]) -> list[Any]:

@@ -8,8 +8,8 @@ ULFM communicator. The protocol itself is the step engine's
 (:mod:`lightning_recover.recovery.engine`); this class only connects it to Lightning:
 
 1. ``process_dataloader`` swaps the train loader for step tickets; microbatches are
-   identified by global id (:mod:`lightning_recover.data`) and loaded ahead by the user's
-   loader settings, the plan driving its batch sampler (:mod:`lightning_recover.loading`).
+   identified by global id (:mod:`lightning_recover.feed.data`) and loaded ahead by the user's
+   loader settings, the plan driving its batch sampler (:mod:`lightning_recover.feed.loading`).
 2. ``training_step`` receives a ticket: the engine plans the step and the replica's first
    planned microbatch runs inside Lightning's closure (so ``self.log`` and the closure
    bookkeeping work as usual).
@@ -18,7 +18,7 @@ ULFM communicator. The protocol itself is the step engine's
    ``on_before_optimizer_step``, gradient clipping and ``optimizer.step`` run, on the
    reduced gradient divided by the constant ``B * S``.
 4. With ``rejoin=True`` every step boundary (``on_train_batch_start``) gives the
-   :class:`~lightning_recover.rejoin.Recruiter` its turn: replacements for lost replicas are
+   :class:`~lightning_recover.membership.rejoin.Recruiter` its turn: replacements for lost replicas are
    spawned while the survivors train, and admitted once ready -- Lightning's checkpoint,
    dumped in memory, goes to them over MPI, and Lightning restores it as from a file.
 5. The engine's recovery hooks are dispatched to every callback in ``trainer.callbacks``
@@ -55,7 +55,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_recover import _lightning, lifecycle, rejoin
+from lightning_recover import _lightning
+from lightning_recover.membership import rejoin
+from lightning_recover.runtime import lifecycle
 from lightning_recover.callbacks import (
     BoundaryScheduler,
     BufferSync,
@@ -65,26 +67,26 @@ from lightning_recover.callbacks import (
     fallback_checkpoint,
 )
 from lightning_recover.callbacks.checkpoint import is_fallback
-from lightning_recover.communicator import FaultTolerantComm
+from lightning_recover.comm.communicator import FaultTolerantComm
 from lightning_recover.config import ConfigurationError, RecoverConfig
-from lightning_recover.data import MicrobatchSource, StepTicket, TicketLoader
-from lightning_recover.data_plane import check_data_plane
-from lightning_recover.ledger import LeaderLedger
-from lightning_recover.loading import EnginePlan, MicrobatchFeed
-from lightning_recover.loggers import LeaderLogs
-from lightning_recover.policy import WorkloadPolicy, make_policy
-from lightning_recover.process_group import ProcessGroupULFM, lockstep_refusal, new_replica_group
+from lightning_recover.feed.data import MicrobatchSource, StepTicket, TicketLoader
+from lightning_recover.comm.data_plane import check_data_plane
+from lightning_recover.audit.ledger import LeaderLedger
+from lightning_recover.feed.loading import EnginePlan, MicrobatchFeed
+from lightning_recover.callbacks.loggers import LeaderLogs
+from lightning_recover.workload.policy import WorkloadPolicy, make_policy
+from lightning_recover.comm.process_group import ProcessGroupULFM, lockstep_refusal, new_replica_group
 from lightning_recover.recovery.engine import StepEngine
 from lightning_recover.recovery.hooks import dispatcher
-from lightning_recover.recovery.interface import RepairResult
+from lightning_recover.comm.interface import RepairResult
 from lightning_recover.recovery.state import Join
-from lightning_recover.slurm import refuse_direct_launch
+from lightning_recover.runtime.slurm import refuse_direct_launch
 from lightning_recover.strategies import checkpoint_io
 from lightning_recover.strategies.environment import ReplicaEnvironment
 from lightning_recover.strategies.evaluation_loader import EvaluationLoader
 from lightning_recover.strategies.probes import StrategyProbes, install_progress_hooks
 from lightning_recover.strategies.replica_group import init_replica_group, is_comm_error
-from lightning_recover.strategies.replica_plane import resolve_replica_plane, use_replica_plane
+from lightning_recover.comm.replica_plane import resolve_replica_plane, use_replica_plane
 from lightning_recover.strategies.step_logs import StepLogs
 from lightning_recover.strategies.sharding import (
     is_sharded,
@@ -94,8 +96,8 @@ from lightning_recover.strategies.sharding import (
     set_gradient_sync,
     shard_model,
 )
-from lightning_recover.topology import RankLayout
-from lightning_recover.watchdog import HangWatchdog, default_hang_timeout
+from lightning_recover.comm.topology import RankLayout
+from lightning_recover.runtime.watchdog import HangWatchdog, default_hang_timeout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -277,7 +279,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         """This rank's shard index across the live replicas as a ``torch.distributed`` process group
         (backend ``"ulfm"``): ``dist.all_reduce(t, group=strategy.replica_group)`` and friends, where a peer's
         death is repaired and the call retried over the survivors. One object for the whole job; its size and
-        rank follow the membership. See :mod:`lightning_recover.process_group` for the contract."""
+        rank follow the membership. See :mod:`lightning_recover.comm.process_group` for the contract."""
         if self._replica_group is None:
             raise RuntimeError("replica_group is built in setup_environment(); it is available from configure_model() on")
         return self._replica_group
@@ -503,7 +505,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         if not self.lightning_module.automatic_optimization:  # type: ignore[union-attr]
             raise ConfigurationError("ReCoVerHSDPStrategy needs automatic optimization (self.automatic_optimization = True)")
 
-    #: Every rank's copy of what the leader logs (:mod:`lightning_recover.loggers`); None while no successor can exist.
+    #: Every rank's copy of what the leader logs (:mod:`lightning_recover.callbacks.loggers`); None while no successor can exist.
     _leader_logs: LeaderLogs | None = None
 
     def _sync_logger_versions(self, trainer: Trainer) -> None:
@@ -534,7 +536,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         The state is the donor replica's Lightning checkpoint; Lightning restores it right
         after ``setup`` as it restores a ``ckpt_path`` (model, optimizers, schedulers, loops,
         callbacks), and the policy and planner are taken over as on a resume."""
-        from lightning_recover import joiner
+        from lightning_recover.membership import joiner
 
         assert self.comm is not None and self.engine is not None and self.layout is not None
         assert self.probes is not None
@@ -597,7 +599,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """The step boundary of hot re-join: the recruiter's turn (see :mod:`lightning_recover.rejoin`)."""
+        """The step boundary of hot re-join: the recruiter's turn (see :mod:`lightning_recover.membership.rejoin`)."""
         if self.recruiter is None or self.engine is None or self._joining is not None:
             return
         recruiter = self.recruiter
@@ -1083,7 +1085,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.comm.check_fences("checkpoint")
         if self.ledger is not None:
             # Every ledger line up to this step durable before the checkpoint can be published:
-            # a relaunch from it after an OS crash finds no step missing (see lightning_recover.ledger).
+            # a relaunch from it after an OS crash finds no step missing (see lightning_recover.audit.ledger).
             self.ledger.sync()
         with self.replica_guard("checkpoint save"):
             self.checkpoint_writer.save(checkpoint, filepath, step=int(state["step"]))

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_recover import netaddr
-from lightning_recover.communicator import FaultTolerantComm
-from lightning_recover.strategies.replica_plane import ReplicaPlaneError
+from lightning_recover.comm import netaddr
+from lightning_recover.comm.communicator import FaultTolerantComm
+from lightning_recover.comm.replica_plane import ReplicaPlaneError
 
 
 def init_replica_group(
@@ -30,9 +30,9 @@ def init_replica_group(
     ``allgather`` of the replica's MPI communicator).
 
     A replica on one host meets on the loopback. One that spans hosts meets at shard 0's
-    address on its route to a mate's host (:func:`lightning_recover.netaddr.reachable_address`;
+    address on its route to a mate's host (:func:`lightning_recover.comm.netaddr.reachable_address`;
     not what its own name resolves to, ``127.0.1.1`` on Debian), and every rank points gloo at
-    its interface towards the mates (:func:`lightning_recover.netaddr.prepare_gloo`)."""
+    its interface towards the mates (:func:`lightning_recover.comm.netaddr.prepare_gloo`)."""
     hosts = gather(socket.gethostname())
     addr = netaddr.reachable_address(hosts)
     if backend == "gloo":

@@ -6,4 +6,9 @@ namespaces on a private bridge, each with its own hostname and ``/dev/shm``), ru
 project's launcher across them, and injects host-level faults: all ranks of a host killed,
 the whole host lost with Open MPI's daemon, a frozen host, a partitioned or flapping link.
 Nothing here is imported by the training path.
+
+  fake          FakeWorld: N simulated replicas in one process, scripted failures (engine tests)
+  fake_cluster  fake hosts on one machine (network namespaces), the launcher across them
+  host_faults   the host-fault harness: applies the host faults ranks ask for, on fake hosts
+  chaos         the chaos campaign's draws, predictions and judgements (benchmarks/chaos.py, tests)
 """

@@ -11,7 +11,7 @@ the campaign runs, without launching anything:
   flip; :func:`draw_host_run` draws one run on fake hosts with one host fault
   (:data:`HOST_FAULT_KINDS`) and its :class:`Prediction`.
 * :func:`predict` replays a run's faults through the no-split-brain rule
-  (:func:`lightning_recover.quorum.decide`) with the inputs the survivors have, and says
+  (:func:`lightning_recover.comm.quorum.decide`) with the inputs the survivors have, and says
   whether the head's side must go on in place or stop for want of quorum, and which last
   world it must end with. Draws whose outcome the campaign cannot judge are refused.
 * :class:`Outcome` is one run's verdict (violations, split brains, what fired and was
@@ -183,12 +183,12 @@ class Prediction:
 
 
 def predict(run: ChaosRun, flap_lost: bool = True) -> Prediction:
-    """Replay ``run``'s faults through :func:`lightning_recover.quorum.decide` with the inputs the
+    """Replay ``run``'s faults through :func:`lightning_recover.comm.quorum.decide` with the inputs the
     survivors have (who was in the previous world, who is still reachable, on which host).
 
     The faults must fall in distinct steps (each is its own repair). ``flap_lost``: the flap
     lasted long enough for the detector (else it costs nothing)."""
-    from lightning_recover import quorum
+    from lightning_recover.comm import quorum
 
     world = range(run.world)
     host_of = {r: str(run.host_of(r)) for r in world}

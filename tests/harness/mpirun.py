@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_recover.launcher import RUNTIME_START_FAILURE
+from lightning_recover.cli.launcher import RUNTIME_START_FAILURE
 
 if TYPE_CHECKING:
     from lightning_recover.testing.fake_cluster import FakeCluster
@@ -207,7 +207,7 @@ def assert_reference_run(job: MPIJob, argv: list[str], replicas: int) -> dict[in
     import torch
     from reference import reference_run
 
-    from lightning_recover.ledger import check_ledger
+    from lightning_recover.audit.ledger import check_ledger
 
     ref_losses, ref_params = reference_run(argv, replicas)
     ref = job.outdir / "reference.jsonl"

@@ -1,4 +1,4 @@
-"""The planner-driven prefetch stream (lightning_recover.loading), in one process, no MPI.
+"""The planner-driven prefetch stream (lightning_recover.feed.loading), in one process, no MPI.
 
 A scripted engine drives a real StaticWorld policy step by step (begin, the replica's
 planned microbatches, a failure -> fail() -> the boundary schedule BoundaryScheduler
@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from lightning_recover.data import MicrobatchSource
-from lightning_recover.loading import (
+from lightning_recover.feed.data import MicrobatchSource
+from lightning_recover.feed.loading import (
     Delivered,
     KeyedCollate,
     MicrobatchFeed,
@@ -32,7 +32,7 @@ from lightning_recover.loading import (
     SeededDataset,
     SteadyForecast,
 )
-from lightning_recover.policy import make_policy
+from lightning_recover.workload.policy import make_policy
 
 
 class NoisyDataset(Dataset):

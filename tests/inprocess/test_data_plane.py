@@ -18,15 +18,15 @@ import pytest
 import torch
 
 from lightning_recover.config import ConfigurationError
-from lightning_recover.data_plane import (
+from lightning_recover.comm.data_plane import (
     DataPlaneError,
     FailedPlane,
     TorchDistDataPlane,
     check_data_plane,
     host_store,
 )
-from lightning_recover.recovery.buckets import Bucket
-from lightning_recover.recovery.interface import PeerFailure
+from lightning_recover.comm.buckets import Bucket
+from lightning_recover.comm.interface import PeerFailure
 
 
 class FakeControl:
@@ -222,8 +222,8 @@ def test_unusable_data_planes_are_refused_with_the_fix() -> None:
 # ------------------------------------------------------------------------------ a real (singleton) communicator
 @pytest.fixture(scope="module")
 def gloo_comm():  # type: ignore[no-untyped-def]
-    from lightning_recover import lifecycle
-    from lightning_recover.communicator import FaultTolerantComm
+    from lightning_recover.runtime import lifecycle
+    from lightning_recover.comm.communicator import FaultTolerantComm
 
     lifecycle.prepare_mpi()  # as the strategy does: no MPI_Finalize when pytest exits
     c = FaultTolerantComm(bucket_bytes=64, data_plane="gloo", plane_timeout_s=10.0)
@@ -232,7 +232,7 @@ def gloo_comm():  # type: ignore[no-untyped-def]
 
 
 def test_the_communicator_builds_a_gloo_plane_per_world_epoch_and_keeps_world_reductions_on_mpi(gloo_comm: Any) -> None:
-    from lightning_recover.data_plane import MPIDataPlane
+    from lightning_recover.comm.data_plane import MPIDataPlane
 
     comm = gloo_comm
     first = comm.data_plane
@@ -261,7 +261,7 @@ def test_the_communicator_builds_a_gloo_plane_per_world_epoch_and_keeps_world_re
 
 
 def test_the_communicator_refuses_an_unknown_data_plane() -> None:
-    from lightning_recover.communicator import FaultTolerantComm
+    from lightning_recover.comm.communicator import FaultTolerantComm
 
     with pytest.raises(ValueError, match="data_plane must be one of mpi, gloo, nccl, got 'tcp'"):
         FaultTolerantComm(data_plane="tcp")

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from lightning_recover.planner import MicrobatchPlanner
+from lightning_recover.workload.planner import MicrobatchPlanner
 from lightning_recover.strategies import ReCoVerHSDPStrategy
 
 torch.set_num_threads(1)

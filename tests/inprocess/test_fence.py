@@ -1,4 +1,4 @@
-"""The write fence (lightning_recover.fence): a newer world or launch locks older ones out."""
+"""The write fence (lightning_recover.audit.fence): a newer world or launch locks older ones out."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.fence import FENCE_NAME, WorldFence
+from lightning_recover.audit.fence import FENCE_NAME, WorldFence
 
 
 def test_no_fence_allows_everyone(tmp_path: Path) -> None:

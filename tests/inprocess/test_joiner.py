@@ -1,4 +1,4 @@
-"""What a replacement's script finds in its environment (lightning_recover.joiner.job_environment, rejoin.job_environ)."""
+"""What a replacement's script finds in its environment (lightning_recover.membership.joiner.job_environment, rejoin.job_environ)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recover import joiner, rejoin
+from lightning_recover.membership import joiner, rejoin
 
 
 def seat(context: dict) -> rejoin.Seat:

@@ -17,7 +17,7 @@ import pytest
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
-from lightning_recover.loggers import (
+from lightning_recover.callbacks.loggers import (
     ContinuingWriter,
     LeaderCSVLogger,
     LeaderLogs,

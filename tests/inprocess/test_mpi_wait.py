@@ -1,10 +1,10 @@
-"""How step collectives wait (lightning_recover.mpi_wait): the oversubscription rule, the override, the loop."""
+"""How step collectives wait (lightning_recover.comm.mpi_wait): the oversubscription rule, the override, the loop."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_recover import mpi_wait
+from lightning_recover.comm import mpi_wait
 
 
 def test_oversubscribed_compares_the_hosts_ranks_with_its_cores(monkeypatch: pytest.MonkeyPatch) -> None:

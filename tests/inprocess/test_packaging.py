@@ -150,7 +150,7 @@ class _NoULFM:
 
 
 def test_without_ulfm_the_error_names_the_mpi_and_both_ways_to_get_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_recover import communicator
+    from lightning_recover.comm import communicator
 
     monkeypatch.setattr(communicator, "_mpi", lambda: _NoULFM("MPICH Version: 4.2.0", has_agree=False))
     msg = communicator._ulfm_unavailable_message()
@@ -161,7 +161,7 @@ def test_without_ulfm_the_error_names_the_mpi_and_both_ways_to_get_one(monkeypat
 
 
 def test_ulfm_present_but_not_switched_on_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_recover import communicator
+    from lightning_recover.comm import communicator
 
     monkeypatch.setattr(communicator, "_mpi", lambda: _NoULFM("Open MPI v5.0.11", has_agree=True))
     msg = communicator._ulfm_unavailable_message()

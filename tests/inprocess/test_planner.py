@@ -1,4 +1,4 @@
-"""Tests of the exactly-once microbatch planner (lightning_recover.planner)."""
+"""Tests of the exactly-once microbatch planner (lightning_recover.workload.planner)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.planner import MicrobatchPlanner
-from lightning_recover.policy import StaticWorld
+from lightning_recover.workload.planner import MicrobatchPlanner
+from lightning_recover.workload.policy import StaticWorld
 
 
 def microbatch(planner: MicrobatchPlanner, mb_id: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""Property and example tests of the versatile workload policies (lightning_recover.policy)."""
+"""Property and example tests of the versatile workload policies (lightning_recover.workload.policy)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from lightning_recover.config import ConfigurationError
-from lightning_recover.policy import (
+from lightning_recover.workload.policy import (
     AdaptiveWorld,
     CommitRecord,
     PolicyError,

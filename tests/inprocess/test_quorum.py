@@ -1,4 +1,4 @@
-"""The no-split-brain rule (lightning_recover.quorum) over arbitrary clusters and cuts.
+"""The no-split-brain rule (lightning_recover.comm.quorum) over arbitrary clusters and cuts.
 
 A cluster is hosts holding the ranks of W replicas x S shards. A failure is any mix of
 ranks killed on live hosts, whole hosts lost, and a cut that splits the remaining hosts
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.quorum import certain_losses, decide
+from lightning_recover.comm.quorum import certain_losses, decide
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The supervised relaunch's decisions (lightning_recover.supervision): pure, property-tested."""
+"""The supervised relaunch's decisions (lightning_recover.cli.supervision): pure, property-tested."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.supervision import (
+from lightning_recover.cli.supervision import (
     LOST_DAEMON,
     RELAUNCHABLE,
     RUNTIME_START_FAILURE,
@@ -24,10 +24,10 @@ from lightning_recover.supervision import (
     hosts_named_lost,
     parse_host_list,
     parse_hostfile,
-    parse_slurm_counts,
     relaunch_plan,
     slurm_hosts,
 )
+from lightning_recover.runtime.slurm import parse_slurm_counts
 
 
 def lost_daemon_text(node: str) -> str:
@@ -276,7 +276,7 @@ def test_host_list_round_trips(hosts: tuple[Host, ...]) -> None:
 
 # ------------------------------------------------------------------------------ the launcher's side
 def test_resume_command_replaces_the_users_value_of_the_key() -> None:
-    from lightning_recover.launcher import DEFAULT_RESUME_ARG, resume_command
+    from lightning_recover.cli.launcher import DEFAULT_RESUME_ARG, resume_command
 
     cmd = ["python", "pretrain.py", "ckpt_path=/old/step-3.ckpt", "seed=1", "+x=ckpt_path=1"]
     assert resume_command(cmd, DEFAULT_RESUME_ARG) == ["python", "pretrain.py", "seed=1", "+x=ckpt_path=1", "++ckpt_path=last"]
@@ -284,7 +284,7 @@ def test_resume_command_replaces_the_users_value_of_the_key() -> None:
 
 
 def test_build_command_places_the_job_on_the_hosts() -> None:
-    from lightning_recover.launcher import build_command
+    from lightning_recover.cli.launcher import build_command
 
     argv = build_command(4, ["x"], mpiexec="mpiexec", hosts="a:2,b:2", slots=4, cores=1)
     assert argv[argv.index("--host") + 1] == "a:2,b:2" and "--oversubscribe" not in argv, "slots, not this machine's cores"
@@ -293,14 +293,14 @@ def test_build_command_places_the_job_on_the_hosts() -> None:
 
 
 def test_remote_agent_is_mpiexecs() -> None:
-    from lightning_recover.launcher import remote_agent
+    from lightning_recover.cli.launcher import remote_agent
 
     assert remote_agent(["--prtemca", "plm_ssh_agent", "/h/agent.sh -q", "--bind-to", "none"]) == ["/h/agent.sh", "-q"]
     assert remote_agent(["--bind-to", "none"])[0] == "ssh"
 
 
 def test_probe_never_probes_this_machine_and_reports_a_silent_host(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from lightning_recover.launcher import probe_unreachable
+    from lightning_recover.cli.launcher import probe_unreachable
 
     agent = tmp_path / "agent.sh"
     agent.write_text('#!/bin/sh\n[ "$1" = up ] && exit 0\n[ "$1" = slow ] && sleep 30\nexit 255\n')
@@ -310,7 +310,7 @@ def test_probe_never_probes_this_machine_and_reports_a_silent_host(tmp_path) -> 
 
 
 def test_slurm_allocation_from_scontrol(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    from lightning_recover.launcher import slurm_allocation
+    from lightning_recover.cli.launcher import slurm_allocation
 
     scontrol = tmp_path / "scontrol"
     scontrol.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames n[1-3]" ] && printf "n1\\nn2\\nn3\\n" && exit 0\nexit 1\n')
@@ -336,7 +336,7 @@ def test_slurm_allocation_from_scontrol(tmp_path, monkeypatch: pytest.MonkeyPatc
      (["--supervise", "--checkpoint-dir", "d", "--replica-size", "2"], "-n 3 is not a positive multiple of the replica size 2")],
 )
 def test_supervise_usage_errors_exit_2_naming_the_fix(args: list[str], needle: str, capsys: pytest.CaptureFixture) -> None:
-    from lightning_recover import cli
+    from lightning_recover.cli import commands as cli
 
     n = "3" if "--replica-size" in args else "2"
     assert cli.main(["launch", "-n", n, *args, "--", "true"]) == 2

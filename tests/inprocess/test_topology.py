@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.topology import RankLayout
+from lightning_recover.comm.topology import RankLayout
 
 
 @st.composite

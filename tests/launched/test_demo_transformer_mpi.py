@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recover.ledger import read_ledger
+from lightning_recover.audit.ledger import read_ledger
 from harness.mpirun import ROOT, run_mpi
 
 pytestmark = pytest.mark.mpi

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from lightning_recover.ledger import read_ledger
+from lightning_recover.audit.ledger import read_ledger
 from lightning_recover.testing.fake_cluster import FakeCluster
 from harness.mpirun import assert_reference_run, train_worker
 

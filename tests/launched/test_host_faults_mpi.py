@@ -2,7 +2,7 @@
 
 A partitioned or frozen host's ranks are declared dead by Open MPI's heartbeat detector
 while they live on, so both sides of a cut repair; the quorum rule
-(lightning_recover.quorum) lets exactly one go on. Each test judges the run by what the
+(lightning_recover.comm.quorum) lets exactly one go on. Each test judges the run by what the
 ranks wrote (the ledger against the fault-free reference, the survivors' results, the
 status markers) and what the user reads, never by mpiexec's status alone.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from lightning_recover.ledger import read_ledger
+from lightning_recover.audit.ledger import read_ledger
 from lightning_recover.testing.fake_cluster import FakeCluster
 from harness.mpirun import MPIJob, assert_reference_run, train_worker
 
@@ -207,7 +207,7 @@ def test_a_host_lost_with_its_daemon_is_relaunched_on_the_rest_and_the_ledger_is
     import subprocess
     import sys
 
-    from lightning_recover.ledger import check_ledger
+    from lightning_recover.audit.ledger import check_ledger
 
     cluster = fake_cluster(2)
     root = Path(__file__).resolve().parents[2]

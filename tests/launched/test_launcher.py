@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recover import cli
-from lightning_recover.launcher import (
+from lightning_recover.cli import commands as cli
+from lightning_recover.cli.launcher import (
     JobMarkers,
     build_command,
     detector_flags,
@@ -199,8 +199,8 @@ def test_launch_requires_n_outside_slurm(capsys: pytest.CaptureFixture, monkeypa
 
 def test_launch_inside_an_allocation_takes_its_tasks_hosts_and_runs_unbound(monkeypatch: pytest.MonkeyPatch) -> None:
     # sbatch -n 4 -O on a node with 1 CPU given to the job: what the batch script's environment holds.
-    from lightning_recover import launcher
-    from lightning_recover.supervision import Host
+    from lightning_recover.cli import launcher
+    from lightning_recover.cli.supervision import Host
 
     for var, value in {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "localhost",
                        "SLURM_TASKS_PER_NODE": "4", "SLURM_JOB_CPUS_PER_NODE": "1"}.items():

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_recover.ledger import read_ledger
+from lightning_recover.audit.ledger import read_ledger
 from harness.mpirun import run_mpi
 
 pytestmark = pytest.mark.mpi

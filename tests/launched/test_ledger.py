@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from lightning_recover import ledger as ledger_module
-from lightning_recover.ledger import (
+from lightning_recover.audit import ledger as ledger_module
+from lightning_recover.audit.ledger import (
     LEDGER_FIELDS,
     MAX_UNSYNCED_LINES,
     LeaderLedger,
@@ -22,7 +22,7 @@ from lightning_recover.ledger import (
     main,
     read_ledger,
 )
-from lightning_recover.policy import StaticWorld
+from lightning_recover.workload.policy import StaticWorld
 
 B = 8
 
@@ -437,7 +437,7 @@ def test_main_loss_drift(tmp_path: Path, good: Path, capsys):
 def test_cli_subprocess(good: Path):
     """The installed entry point routes through cli.main when it exists; main() directly here."""
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_recover.ledger", str(good)],
+        [sys.executable, "-m", "lightning_recover.audit.ledger", str(good)],
         capture_output=True,
         text=True,
         check=False,
@@ -453,7 +453,7 @@ def test_cli_subprocess(good: Path):
 def test_modules_import_neither_torch_nor_mpi():
     code = (
         "import sys\n"
-        "import lightning_recover.policy, lightning_recover.planner, lightning_recover.ledger\n"
+        "import lightning_recover.workload.policy, lightning_recover.workload.planner, lightning_recover.audit.ledger\n"
         "bad = [m for m in ('torch', 'torch.distributed', 'mpi4py') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recover import lifecycle
-from lightning_recover.launcher import ENV_STATUS_DIR, JobMarkers
+from lightning_recover.cli.launcher import JobMarkers
+from lightning_recover.runtime import lifecycle
+from lightning_recover.runtime.markers import ENV_STATUS_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,8 +47,8 @@ def state():
     }
 
 findings = {}
-for name in ["lightning_recover", "lightning_recover.lifecycle", "lightning_recover.watchdog",
-             "lightning_recover.communicator", "lightning_recover.strategies"]:
+for name in ["lightning_recover", "lightning_recover.runtime.lifecycle", "lightning_recover.runtime.watchdog",
+             "lightning_recover.comm.communicator", "lightning_recover.strategies"]:
     before = state()
     del registered[:]
     try:
@@ -75,7 +76,7 @@ def test_importing_the_package_changes_no_process_wide_state() -> None:
 # ---------------------------------------------------------------------- prepare_mpi
 PREPARE = r"""
 import sys, mpi4py
-from lightning_recover import lifecycle
+from lightning_recover.runtime import lifecycle
 first = lifecycle.prepare_mpi()
 from mpi4py import MPI
 print(first, mpi4py.rc.finalize, lifecycle.prepare_mpi(), MPI.Is_initialized())
@@ -156,7 +157,7 @@ def test_kill_process_refuses_its_own_process() -> None:
 # ---------------------------------------------------------------------- gate and crash hook
 GATE = r"""
 import signal
-from lightning_recover import lifecycle
+from lightning_recover.runtime import lifecycle
 signal.signal(lifecycle.GATE_SIGNAL, lambda *_: print("handler ran: the gate must not be catchable", flush=True))
 lifecycle.gate_exit(3, "replica 1 lost rank(s) [2]")
 print("returned from gate_exit", flush=True)
@@ -188,7 +189,7 @@ def test_gate_exit_from_a_helper_thread_dies_by_its_signal() -> None:
 
 QUORUM = r"""
 import signal, sys, threading, time
-from lightning_recover import lifecycle
+from lightning_recover.runtime import lifecycle
 signal.signal(signal.SIGUSR2, lambda *a: print("handler ran"))
 t = threading.Thread(target=lifecycle.quorum_exit, args=(2, "1 surviving replica(s) tie with 1"))
 t.start(); t.join(); time.sleep(2)
@@ -215,7 +216,7 @@ def test_gate_status_through_a_shell() -> None:
 
 
 CRASH = r"""
-from lightning_recover import lifecycle
+from lightning_recover.runtime import lifecycle
 lifecycle.install_crash_hook()
 lifecycle.install_crash_hook()  # idempotent: one traceback, one line
 def train():
@@ -240,7 +241,7 @@ def test_crash_hook_prints_the_traceback_then_dies_by_sigkill() -> None:
 UNDER_TORCH = r"""
 import sys
 import torch.distributed as dist
-from lightning_recover import lifecycle
+from lightning_recover.runtime import lifecycle
 
 def init():
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
@@ -278,7 +279,7 @@ def test_crash_hook_traceback_survives_torchs_excepthook_wrapper(tmp_path: Path,
 
 SAME_BUG = r"""
 import sys
-from lightning_recover import lifecycle
+from lightning_recover.runtime import lifecycle
 lifecycle.install_crash_hook(int(sys.argv[1]))
 def training_step():
     raise ValueError("user bug 42")
@@ -306,7 +307,7 @@ def test_ranks_sharing_the_status_directory_print_one_traceback_once(tmp_path: P
 # ---------------------------------------------------------------------- markers and end of job
 START = r"""
 import sys
-from lightning_recover import lifecycle
+from lightning_recover.runtime import lifecycle
 rank, world, then = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 hook = sys.excepthook
 lifecycle.start_rank(rank, world)
@@ -346,7 +347,7 @@ def test_a_rank_ended_by_sigterm_leaves_as_killed_by_it_never_ok(tmp_path: Path)
 
 EPIPE = r"""
 import sys, time
-from lightning_recover import lifecycle
+from lightning_recover.runtime import lifecycle
 lifecycle.start_rank(1, 4)
 time.sleep(0.5)  # meanwhile the reader of our output goes (mpiexec aborting the job)
 for _ in range(100):
@@ -388,7 +389,7 @@ def test_single_process_keeps_pythons_exit_status(tmp_path: Path) -> None:
 
 END = r"""
 import sys
-from lightning_recover import lifecycle
+from lightning_recover.runtime import lifecycle
 
 class Comm:  # what end_job needs from the communicator, logging the order of calls
     rank = 1
@@ -438,7 +439,7 @@ def test_mark_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 # ---------------------------------------------------------------------- the end of a script
 EXIT = r"""
 import atexit, gc, sys
-from lightning_recover import lifecycle
+from lightning_recover.runtime import lifecycle
 
 def after_everything():  # registered first, so it runs after lifecycle's exit handler
     print(f"gc enabled={gc.isenabled()} frozen={gc.get_freeze_count() > 0}", flush=True)

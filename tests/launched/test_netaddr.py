@@ -1,4 +1,4 @@
-"""lightning_recover.netaddr: the address other hosts reach, checked inside fake hosts whose own
+"""lightning_recover.comm.netaddr: the address other hosts reach, checked inside fake hosts whose own
 name resolves to 127.0.1.1 (Debian's /etc/hosts), where gethostbyname(gethostname()) is wrong."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from lightning_recover import netaddr
+from lightning_recover.comm import netaddr
 from lightning_recover.testing.fake_cluster import FakeCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def in_host(cluster: FakeCluster, host: int, code: str, env: dict[str, str] | None = None) -> Any:
     """Run python ``code`` (which prints one JSON value) inside ``host``; return the value."""
-    prelude = f"import json, os, socket, sys; sys.path.insert(0, {str(ROOT)!r}); from lightning_recover import netaddr\n"
+    prelude = f"import json, os, socket, sys; sys.path.insert(0, {str(ROOT)!r}); from lightning_recover.comm import netaddr\n"
     argv = ["env", *[f"{k}={v}" for k, v in (env or {}).items()], sys.executable, "-c", prelude + code]
     return json.loads(cluster.run(host, argv).stdout)
 

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.ledger import LedgerWriter
-from lightning_recover.report import (
+from lightning_recover.audit.ledger import LedgerWriter
+from lightning_recover.audit.report import (
     ReportError,
     load_ledger,
     main,
@@ -351,7 +351,7 @@ def test_cli_subprocess(tmp_path: Path):
     assert "the file does not exist" in missing.stderr
     # The pure layer stays pure: the command ran without importing torch or MPI.
     probe = subprocess.run(
-        [sys.executable, "-c", "import sys, lightning_recover.report; "
+        [sys.executable, "-c", "import sys, lightning_recover.audit.report; "
          "print(','.join(m for m in ('torch', 'mpi4py', 'matplotlib') if m in sys.modules))"],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=60, check=True,
     )

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recover.watchdog import ENV_TIMEOUT, HangWatchdog, default_hang_timeout
+from lightning_recover.runtime.watchdog import ENV_TIMEOUT, HangWatchdog, default_hang_timeout
 
 CHILD = """
 import sys, time
 from pathlib import Path
-from lightning_recover.watchdog import HangWatchdog
+from lightning_recover.runtime.watchdog import HangWatchdog
 w = HangWatchdog(int(sys.argv[2]), 30.0, period=0.05, directory=Path(sys.argv[1])).start()
 print("ready", flush=True)
 while True:

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from lightning_recover import lifecycle
-from lightning_recover.strategies.replica_plane import MPIAllGather, MPIReduceScatter, ReplicaPlaneError
+from lightning_recover.runtime import lifecycle
+from lightning_recover.comm.replica_plane import MPIAllGather, MPIReduceScatter, ReplicaPlaneError
 
 torch.set_num_threads(1)
 
@@ -97,7 +97,7 @@ def main() -> None:
     with open(os.path.join(os.environ["LR_TEST_OUT"], f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
-    os._exit(0)  # no MPI_Finalize with a dead peer (see lightning_recover.launcher)
+    os._exit(0)  # no MPI_Finalize with a dead peer (see lightning_recover.cli.launcher)
 
 
 if __name__ == "__main__":

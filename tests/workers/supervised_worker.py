@@ -6,7 +6,7 @@
   no further progress; a relaunch must carry the resume argument, and then redoes the steps
   from the checkpoint's (3, from ``step-00000003.ckpt``) to 5 and ends normally.
 * ``raise``: every attempt leaves as a rank whose program raised (marker, then SIGKILL,
-  as lightning_recover.lifecycle's crash hook does).
+  as lightning_recover.runtime.lifecycle's crash hook does).
 * ``die``: every attempt is killed by a signal after its communicator would be up.
 * ``finish``: ends normally.
 """
@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 
-from lightning_recover.lifecycle import mark_status
+from lightning_recover.runtime.lifecycle import mark_status
 
 mode, ledger = sys.argv[1], sys.argv[2]
 attempt = int(os.environ["LIGHTNING_RECOVER_ATTEMPT"])

@@ -14,7 +14,7 @@ Every rank runs a daemon thread that, every ``period`` seconds,
   ``hang_timeout`` is hung (a stopped process runs no thread). A rank that has been
   computing for ``stuck_timeout`` without its progress counter moving is stuck in
   compute (its heartbeat thread lives on, so only the progress rule can see it). Either
-  way the watcher SIGKILLs it with :func:`lightning_recover.lifecycle.kill_process`
+  way the watcher SIGKILLs it with :func:`lightning_recover.runtime.lifecycle.kill_process`
   (which checks that the pid still belongs to the same process) and ULFM then reports an
   ordinary death to the survivors, who repair as for any failure.
 
@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from lightning_recover.lifecycle import kill_process, process_start_time
+from lightning_recover.runtime.lifecycle import kill_process, process_start_time
 
 ENV_TIMEOUT = "LIGHTNING_RECOVER_HANG_TIMEOUT"
 DEFAULT_HANG_TIMEOUT = 10.0

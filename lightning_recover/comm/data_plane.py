@@ -1,7 +1,7 @@
 """The data plane: how one bucket of the cross-replica gradient reduction travels (layer 1).
 
 ULFM MPI is the *control plane* of the recovery protocol: it detects failures, agrees and
-repairs membership (:mod:`lightning_recover.communicator`). The *data plane* only moves
+repairs membership (:mod:`lightning_recover.comm.communicator`). The *data plane* only moves
 gradient bytes between the live ranks of one shard index -- the members of this rank's
 shard communicator -- and can be MPI itself or a ``torch.distributed`` backend. Its
 contract, for every implementation:
@@ -11,8 +11,8 @@ contract, for every implementation:
   of ``dst`` (``src is dst``: in place). 16-bit floats are summed in fp32, so switching
   planes changes at most the summation order. Every member gets bitwise-identical sums.
   On any error ``dst`` may hold anything in that bucket: the caller's rollback copy
-  (:class:`~lightning_recover.recovery.buckets.ReduceHandle`) restores it.
-* **On a dead peer** it raises :class:`~lightning_recover.recovery.interface.PeerFailure`
+  (:class:`~lightning_recover.comm.buckets.ReduceHandle`) restores it.
+* **On a dead peer** it raises :class:`~lightning_recover.comm.interface.PeerFailure`
   -- never hangs, never another exception -- after the control plane revoked its
   communicators (so every peer blocked with it is released, whatever plane that peer is
   blocked in) and applied the replica-consistency gate: exactly what the MPI path always
@@ -66,10 +66,10 @@ import numpy as np
 import torch
 
 from lightning_recover.errors import RecoverError
-from lightning_recover import mpi_wait, netaddr
+from lightning_recover.comm import mpi_wait, netaddr
 from lightning_recover.config import DATA_PLANES, ConfigurationError
-from lightning_recover.recovery.buckets import Bucket
-from lightning_recover.recovery.interface import PeerFailure
+from lightning_recover.comm.buckets import Bucket
+from lightning_recover.comm.interface import PeerFailure
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -101,7 +101,7 @@ class DataPlaneError(RecoverError, RuntimeError):
 
 
 class ControlPlane(Protocol):
-    """What a data plane needs from the control plane (:class:`~lightning_recover.communicator.FaultTolerantComm`)."""
+    """What a data plane needs from the control plane (:class:`~lightning_recover.comm.communicator.FaultTolerantComm`)."""
 
     def failure_noticed(self) -> bool:
         """Whether a member of the current world is known dead or the world was revoked (drives MPI progress)."""
@@ -194,7 +194,7 @@ def _scatter(segs: Sequence[tuple[int, int, int]], stage: torch.Tensor, dst: Seq
 class MPIDataPlane(DataPlane):
     """``MPI_Allreduce`` over one communicator (the shard communicator, or the world for ``across="world"``).
 
-    On a host with more ranks than cores it waits without spinning (:mod:`~lightning_recover.mpi_wait`).
+    On a host with more ranks than cores it waits without spinning (:mod:`~lightning_recover.comm.mpi_wait`).
     """
 
     kind = "mpi"
@@ -268,7 +268,7 @@ def host_store(hosts: Sequence[str], timeout_s: float) -> tuple[dist.TCPStore, t
     ``hosts``: where the members run (loopback when that is this host only)."""
     import torch.distributed as dist
 
-    # Not gethostbyname(gethostname()): 127.0.1.1 on Debian-style hosts (see lightning_recover.netaddr).
+    # Not gethostbyname(gethostname()): 127.0.1.1 on Debian-style hosts (see lightning_recover.comm.netaddr).
     addr = netaddr.reachable_address(hosts)
     # Port 0: the OS picks a free port at bind time, so nothing can take it between choosing and binding.
     store = dist.TCPStore(addr, 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)

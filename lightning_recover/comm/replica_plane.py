@@ -25,7 +25,7 @@ The contract of :class:`MPIAllGather` and :class:`MPIReduceScatter`:
   (the launcher's ``--hang-timeout``) or killed by the heartbeat watchdog, whichever
   comes first. Any other MPI error propagates unchanged.
 * **Waiting.** On a host with more ranks than cores a collective waits without spinning
-  (:mod:`~lightning_recover.mpi_wait`): the mate it waits for gets the core.
+  (:mod:`~lightning_recover.comm.mpi_wait`): the mate it waits for gets the core.
 * **Threads.** Called on the thread that runs forward and backward, while the overlapped
   cross-replica reduction may use the shard communicator on a helper thread (MPI is
   initialized with ``MPI_THREAD_MULTIPLE``).
@@ -44,8 +44,8 @@ import torch
 from torch import Tensor
 
 from lightning_recover.errors import RecoverError
-from lightning_recover import mpi_wait
-from lightning_recover.communicator import FAILURE_CONFIRM_S, failure_classes
+from lightning_recover.comm import mpi_wait
+from lightning_recover.comm.communicator import FAILURE_CONFIRM_S, failure_classes
 from lightning_recover.config import ConfigurationError
 
 if TYPE_CHECKING:

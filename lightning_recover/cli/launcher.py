@@ -17,7 +17,7 @@ With ``--supervise`` (:func:`supervise`) it also outlives the job: when a job en
 way no rank can repair in place (PRRTE aborted it after losing a host's daemon, every
 replica died, its ledger stopped growing, it stopped below min_replicas), the same
 command is relaunched from the newest checkpoint (``++ckpt_path=last`` appended) on the
-hosts that remain, a bounded number of times; :mod:`lightning_recover.supervision`
+hosts that remain, a bounded number of times; :mod:`lightning_recover.cli.supervision`
 decides, this module runs, probes and measures.
 """
 
@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_recover.supervision import (
+from lightning_recover.cli.supervision import (
     RELAUNCHABLE,
     Host,
     Outcome,
@@ -53,6 +53,7 @@ from lightning_recover.supervision import (
     replayed_steps,
     slurm_hosts,
 )
+from lightning_recover.runtime.markers import ENV_STATUS_DIR, QUORUM_MARKER
 
 #: ULFM failure-detector settings: a rank silent for ``timeout`` seconds is declared dead.
 def detector_flags(hang_timeout: float) -> list[str]:
@@ -288,17 +289,8 @@ def run_supervised(
             signal.signal(sig, handler)
 
 
-#: Ranks of a fault-tolerant job leave markers here: ``started.R`` when their communicator
-#: comes up, ``ok.R`` when they end normally, ``exited.R`` when they stop on purpose with a
-#: non-zero status (below min_replicas), ``raised.R`` when an uncaught exception ended them
-#: (holding the exception's type name, then its last traceback line); a rank killed by a
-#: signal writes none.
-ENV_STATUS_DIR = "LIGHTNING_RECOVER_STATUS_DIR"
 #: The job's status when ranks stopped for want of a quorum and none finished (EX_TEMPFAIL).
 NO_QUORUM_STATUS = 75
-#: How an ``exited.R`` marker starts when its rank stopped because its side of a failure lost
-#: the quorum (:func:`lightning_recover.lifecycle.quorum_exit`): the machines failed, not the program.
-QUORUM_MARKER = "no quorum"
 
 
 @dataclass
@@ -671,10 +663,10 @@ def supervise(
     Every attempt runs ``command`` under mpiexec with a fresh status directory and
     ``LIGHTNING_RECOVER_ATTEMPT`` set; a relaunch appends ``resume_arg`` when
     ``checkpoint_dir`` holds a complete checkpoint (else it starts over). After each attempt
-    :func:`lightning_recover.supervision.decide` judges it from the ranks' markers and the
+    :func:`lightning_recover.cli.supervision.decide` judges it from the ranks' markers and the
     tail of mpiexec's output, the hosts :func:`probe_unreachable` cannot reach are dropped,
     and one line says why and where the job goes next. With ``ledger`` the time each
-    relaunch lost is measured (:class:`~lightning_recover.supervision.RelaunchCost`), and
+    relaunch lost is measured (:class:`~lightning_recover.cli.supervision.RelaunchCost`), and
     with ``stall_timeout_s`` an attempt whose ledger gains no step for that long (counted
     from its start, so it must exceed start-up, restore and the slowest step with its
     checkpoint write) is ended and judged "stalled". ``hosts`` None: this machine only.

@@ -100,7 +100,18 @@ def tasks_outnumber_cpus(env: Mapping[str, str] | None = None) -> bool:
 
 def _expand(spec: str) -> list[int]:
     """Slurm's compressed per-node counts, ``"4(x2),2"`` -> ``[4, 4, 2]`` (the node count read from the spec itself)."""
-    from lightning_recover.supervision import parse_slurm_counts
-
     nodes = sum(int(m.group(2) or 1) for m in re.finditer(r"(\d+)(?:\(x(\d+)\))?", spec))
     return parse_slurm_counts(spec, nodes)
+
+
+def parse_slurm_counts(spec: str, nodes: int) -> list[int]:
+    """Slurm's compressed per-node counts (``SLURM_TASKS_PER_NODE``): ``"4(x2),2"`` -> ``[4, 4, 2]``."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            raise ValueError(f"Slurm per-node count {spec!r} is not like '4(x2),2'; set --hosts explicitly")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    if len(counts) != nodes:
+        raise ValueError(f"Slurm per-node count {spec!r} gives {len(counts)} node(s) but the allocation has {nodes}; set --hosts explicitly")
+    return counts

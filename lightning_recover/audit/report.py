@@ -1,6 +1,6 @@
 """Recovery metrics of a finished run, read from its step ledger: `lightning-recover report`.
 
-The ledger (see :mod:`lightning_recover.ledger`) proves a run was exact; this module says what
+The ledger (see :mod:`lightning_recover.audit.ledger`) proves a run was exact; this module says what
 recovery cost it, in the measures the fault-tolerance literature reports: MTTR (the pause per
 recovery and the time to detect a failure), the observed MTBF, the replay ratio (microbatches
 computed again because their replica died, over the microbatches committed), the success rate
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_recover.errors import RecoverError
-from lightning_recover.ledger import LedgerFormatError, read_ledger
+from lightning_recover.audit.ledger import LedgerFormatError, read_ledger
 
 __all__ = [
     "REPORT_FIELDS",

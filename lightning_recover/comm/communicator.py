@@ -1,9 +1,9 @@
 """Fault-aware cross-replica collectives over ULFM MPI (layer 1 of the recovery protocol).
 
-It keeps the :class:`~lightning_recover.recovery.interface.ReplicaComm` contract with real
+It keeps the :class:`~lightning_recover.comm.interface.ReplicaComm` contract with real
 processes. Collectives and membership only; how a rank starts and leaves (MPI settings,
 crash hook, the gate's signal, killing a peer, status markers, end of job) is
-:mod:`lightning_recover.lifecycle`. Importing this module neither imports ``mpi4py.MPI``
+:mod:`lightning_recover.runtime.lifecycle`. Importing this module neither imports ``mpi4py.MPI``
 (which initializes MPI) nor changes any other process-wide state: MPI is first touched
 when a :class:`FaultTolerantComm` is built.
 
@@ -18,7 +18,7 @@ when a :class:`FaultTolerantComm` is built.
   16-bit tensors are reduced in fp32: MPI has no bf16 type and a 16-bit buffer passed as
   bytes sums silently wrong.
 * The buckets of the cross-replica reduction travel over the **data plane**
-  (:mod:`lightning_recover.data_plane`): MPI on the shard communicator (the default), or a
+  (:mod:`lightning_recover.comm.data_plane`): MPI on the shard communicator (the default), or a
   gloo/NCCL group among the same ranks. One is built per world epoch -- here, after each
   repair and after each ``grow`` -- and the previous one is closed. This communicator stays
   the control plane: the data plane asks it whether a failure was noticed
@@ -32,25 +32,25 @@ when a :class:`FaultTolerantComm` is built.
 * ``repair()`` revokes, shrinks, keeps only *complete* replicas, advances ``world_epoch``
   and re-derives the shard communicators. It loops until one attempt is agreed by every
   survivor, so a further death while repairing just costs another round. Before the new
-  world is taken, the **quorum rule** (:mod:`lightning_recover.quorum`) decides whether this
+  world is taken, the **quorum rule** (:mod:`lightning_recover.comm.quorum`) decides whether this
   side of the failure may continue at all: across hosts a "dead" rank may be alive behind
   a partition, and only one side may train; a side that may not leaves with
-  :func:`lightning_recover.lifecycle.quorum_exit`. A repair that does not return within
+  :func:`lightning_recover.runtime.lifecycle.quorum_exit`. A repair that does not return within
   ``$LIGHTNING_RECOVER_REPAIR_TIMEOUT`` seconds (300) ends the rank the same way: an
   agreement that never returns must not hang the job. Ranks MPI declared dead are then
-  fenced (:func:`lightning_recover.lifecycle.kill_process`): one that was only hung must
+  fenced (:func:`lightning_recover.runtime.lifecycle.kill_process`): one that was only hung must
   never come back as a member.
-* **Write fences** (:mod:`lightning_recover.fence`): the leader advances them at start,
+* **Write fences** (:mod:`lightning_recover.audit.fence`): the leader advances them at start,
   after every repair and every join (:meth:`FaultTolerantComm.guard_writes`); a writer
   calls :meth:`FaultTolerantComm.check_fences` first, and a rank of an older world or
   launch leaves instead of writing.
 * ``grow(merged)`` installs a world that replacement ranks were merged into (hot re-join,
-  :mod:`lightning_recover.rejoin`): a joiner takes the *logical* rank of a lost replica's
+  :mod:`lightning_recover.membership.rejoin`): a joiner takes the *logical* rank of a lost replica's
   rank, so ranks are named by logical rank everywhere (the original world rank until a
   replacement takes it over) and the layout never changes. The survivors keep their order
   (the leader stays) and the joiners come after them; every later repair keeps that order.
 * **Replica-consistency gate**: a rank that learns a rank of its own replica died leaves
-  at once through :func:`lightning_recover.lifecycle.gate_exit`, so other replicas only
+  at once through :func:`lightning_recover.runtime.lifecycle.gate_exit`, so other replicas only
   ever see whole replicas go.
 
 Nothing here imports Lightning; torch is used only for tensor views.
@@ -73,8 +73,9 @@ import numpy as np
 import torch
 
 from lightning_recover.errors import RecoverError
-from lightning_recover import lifecycle, mpi_wait, netaddr, quorum
-from lightning_recover.data_plane import (
+from lightning_recover.comm import mpi_wait, netaddr, quorum
+from lightning_recover.runtime import lifecycle
+from lightning_recover.comm.data_plane import (
     DATA_PLANES,
     NATIVE,
     WIDEN,
@@ -84,10 +85,10 @@ from lightning_recover.data_plane import (
     TorchDistDataPlane,
     host_store,
 )
-from lightning_recover.fence import WorldFence
-from lightning_recover.recovery.buckets import ReduceHandle, plan_buckets
-from lightning_recover.recovery.interface import PeerFailure, RepairResult
-from lightning_recover.topology import RankLayout
+from lightning_recover.audit.fence import WorldFence
+from lightning_recover.comm.buckets import ReduceHandle, plan_buckets
+from lightning_recover.comm.interface import PeerFailure, RepairResult
+from lightning_recover.comm.topology import RankLayout
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -316,7 +317,7 @@ class FaultTolerantComm:
         self._bound = _Bound(self.repair_timeout_s, lambda why: self.quorum_exit(why))
         #: This launch's name (host:pid:start of its first rank): what the write fences hold.
         self.job_id = ""
-        # The write fences of the run's outputs (lightning_recover.fence), set by guard_writes.
+        # The write fences of the run's outputs (lightning_recover.audit.fence), set by guard_writes.
         self._fences: list[WorldFence] = []
         #: Called with a point name ("repair:shrunk", ...) -- the hook fault injection uses.
         self.fault_hook: Callable[[str], None] | None = None
@@ -350,11 +351,11 @@ class FaultTolerantComm:
         non-blocking barrier on ``merged``, and the survivors then agree on their own world
         whether everyone arrived before it. A joiner that died without Open MPI telling
         anyone (one that exited with a non-zero status is never reported, see
-        :mod:`lightning_recover.lifecycle`) or that is stopped would otherwise hold every
+        :mod:`lightning_recover.runtime.lifecycle`) or that is stopped would otherwise hold every
         survivor in the first blocking collective below forever. A survivor whose merge
         never completed passes ``merged=None``: it says "not arrived", so every survivor
         gives up. A joiner passes no deadline (its own timer bounds it, see
-        :mod:`lightning_recover.joiner`). On success the world epoch advances past every
+        :mod:`lightning_recover.membership.joiner`). On success the world epoch advances past every
         member's and ``alive_replicas`` counts the joiners' replicas.
         """
         MPI = _mpi()
@@ -569,7 +570,7 @@ class FaultTolerantComm:
             self.gate_exit(f"{reason}: replica {self.replica} lost rank(s) {lost}")
 
     def gate_exit(self, reason: str) -> NoReturn:
-        """:func:`lightning_recover.lifecycle.gate_exit` for this rank."""
+        """:func:`lightning_recover.runtime.lifecycle.gate_exit` for this rank."""
         lifecycle.gate_exit(self.rank, reason)
 
     # ------------------------------------------------------------------ collectives
@@ -811,7 +812,7 @@ class FaultTolerantComm:
 
     def guard_writes(self, directories: Sequence[str | os.PathLike[str]]) -> None:
         """Fence the run's outputs in ``directories`` with this launch and world epoch
-        (:mod:`lightning_recover.fence`); the leader takes the fences now and after every repair and join."""
+        (:mod:`lightning_recover.audit.fence`); the leader takes the fences now and after every repair and join."""
         self._fences = [WorldFence(d) for d in directories]
         self._advance_fences()
 
@@ -830,7 +831,7 @@ class FaultTolerantComm:
                 )
 
     def quorum_exit(self, reason: str) -> NoReturn:
-        """:func:`lightning_recover.lifecycle.quorum_exit` for this rank."""
+        """:func:`lightning_recover.runtime.lifecycle.quorum_exit` for this rank."""
         lifecycle.quorum_exit(self.rank, reason)
 
     def _fence(self, lost: Sequence[int]) -> None:

@@ -72,20 +72,17 @@ from __future__ import annotations
 from collections.abc import Callable, ItemsView, Sequence, ValuesView
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.futures import Future
 
-from lightning_recover.recovery.state import StepState
-
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-    from lightning_recover.communicator import FaultTolerantComm
-    from lightning_recover.recovery.engine import Probes
+    from lightning_recover.comm.communicator import FaultTolerantComm
 
 __all__ = ["BACKEND", "ProcessGroupULFM", "lockstep_refusal", "new_replica_group", "reduction"]
 
@@ -134,7 +131,24 @@ def reduction(op: Any, dtype: torch.dtype) -> Reduction:
     return Reduction(_ARITHMETIC[op], _WIDEN.get(dtype, dtype), average=op == RedOp.AVG)
 
 
-def lockstep_refusal(step: StepState | None, evaluating: bool) -> str | None:
+class StepProgress(Protocol):
+    """What the lockstep rule reads of the step in progress (:class:`lightning_recover.recovery.state.StepState`).
+
+    A protocol rather than the class: the step engine builds on this layer, so this module
+    names only what it reads and never imports it.
+    """
+
+    agreed: bool
+    microbatches_run: int
+
+
+class FaultPoints(Protocol):
+    """Where fault injection reaches a call of this group (:class:`lightning_recover.recovery.engine.Probes`)."""
+
+    def fault_point(self, phase: str, *, step: int, microbatch: int | None = None, bucket: int | None = None) -> None: ...
+
+
+def lockstep_refusal(step: StepProgress | None, evaluating: bool) -> str | None:
     """Why a replica-group call would not be entered by every live member now, or None when it would.
 
     ``step`` is the step in progress (None between steps); ``evaluating`` says whether an
@@ -217,7 +231,7 @@ class ProcessGroupULFM(dist.ProcessGroup):
         run: Callable[[Callable[[], Any]], Any],
         *,
         refuse: Callable[[], str | None] = lambda: None,
-        probes: Probes | None = None,
+        probes: FaultPoints | None = None,
         step: Callable[[], int] = lambda: 0,
     ) -> None:
         # torch keeps a rank and a size in C++ (these, as of now); Python callers get the live ones from rank()/size().
@@ -436,7 +450,7 @@ def new_replica_group(
     run: Callable[[Callable[[], Any]], Any],
     *,
     refuse: Callable[[], str | None] = lambda: None,
-    probes: Probes | None = None,
+    probes: FaultPoints | None = None,
     step: Callable[[], int] = lambda: 0,
 ) -> ProcessGroupULFM:
     """Build the group and register it with torch (backend ``"ulfm"``); local, no communication.

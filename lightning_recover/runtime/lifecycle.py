@@ -1,6 +1,6 @@
 """Process lifecycle of one rank of a fault-tolerant job: how it starts, how it leaves.
 
-The communicator (:mod:`lightning_recover.communicator`) detects failures and repairs the
+The communicator (:mod:`lightning_recover.comm.communicator`) detects failures and repairs the
 world; this module owns everything that touches the *process*: MPI start-up settings, the
 excepthook, signals raised on ourselves or on a peer, the launcher's status markers and
 the final exit. Importing it (or any module of the package) changes no process-wide
@@ -73,12 +73,31 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal, NoReturn, TextIO
+from typing import Literal, NoReturn, Protocol, TextIO
 
-from lightning_recover.launcher import ENV_STATUS_DIR, QUORUM_MARKER
+from lightning_recover.runtime.markers import ENV_STATUS_DIR, QUORUM_MARKER
 
-if TYPE_CHECKING:
-    from lightning_recover.communicator import FaultTolerantComm
+
+class JobComm(Protocol):
+    """What the end of a job needs of the communicator (:class:`~lightning_recover.comm.communicator.FaultTolerantComm`).
+
+    A protocol rather than the class: the communicator exits through this module, so this
+    module (the layer below it) must not import it, not even for its type.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def members(self) -> tuple[int, ...]: ...
+
+    @property
+    def is_leader(self) -> bool: ...
+
+    def agree(self, flag: bool = True) -> bool: ...
+
+    def free(self) -> None: ...
+
 
 #: Signal a rank raises on itself when its replica lost a member (see :func:`gate_exit`).
 GATE_SIGNAL = signal.SIGUSR1
@@ -89,7 +108,7 @@ GATE_MESSAGE = "replica-consistency gate"
 #: Signal a rank raises on itself when its side of a failure has no quorum (see :func:`quorum_exit`).
 QUORUM_SIGNAL = signal.SIGUSR2
 #: The shell exit status of such a rank (128 + signal number); the launcher reports the job
-#: as :data:`lightning_recover.launcher.NO_QUORUM_STATUS` when no rank finished.
+#: as :data:`lightning_recover.cli.launcher.NO_QUORUM_STATUS` when no rank finished.
 QUORUM_EXIT_CODE = 128 + int(QUORUM_SIGNAL)
 #: The words every quorum exit prints on stderr, and the start of its ``exited`` marker.
 QUORUM_MESSAGE = QUORUM_MARKER
@@ -117,7 +136,7 @@ _end_of_job: Callable[[], None] | None = None
 # The signal that is ending this rank although Python exits "normally" (see :func:`terminated_by`).
 _terminated: int | None = None
 # Communicators whose end of job ran (a process may run several jobs, e.g. one per test).
-_ended: weakref.WeakSet[FaultTolerantComm] = weakref.WeakSet()
+_ended: weakref.WeakSet[JobComm] = weakref.WeakSet()
 _warned_single = False
 
 
@@ -135,10 +154,10 @@ def prepare_mpi() -> bool:
     Returns True when the setting took effect (mpi4py.MPI was not imported yet).
 
     First it stops a process that Slurm started directly (``srun -n N``, no ``mpiexec``) with
-    exit status 2 and one line naming the fix (:func:`lightning_recover.slurm.refuse_direct_launch`):
+    exit status 2 and one line naming the fix (:func:`lightning_recover.runtime.slurm.refuse_direct_launch`):
     here, before ``MPI_Init``, which such a start can crash in.
     """
-    from lightning_recover.slurm import refuse_direct_launch
+    from lightning_recover.runtime.slurm import refuse_direct_launch
 
     refuse_direct_launch()
     import mpi4py
@@ -235,7 +254,7 @@ def _exit_handler(rank: int) -> None:
     gc.freeze()  # see the module docstring: the final collections are what made the exit slow
 
 
-def job_ended(comm: FaultTolerantComm) -> bool:
+def job_ended(comm: JobComm) -> bool:
     """Whether :func:`end_job` already agreed with the survivors on ``comm`` and freed it."""
     return comm in _ended
 
@@ -367,7 +386,7 @@ def _launcher_gone(exc: BaseException) -> bool:
 def mark_status(what: Status, rank: int, detail: str = "") -> None:
     """Leave the marker ``<what>.<rank>`` (holding ``detail``) in the launcher's status directory, if it gave one.
 
-    The launcher (:func:`lightning_recover.launcher.launch`) sets ``LIGHTNING_RECOVER_STATUS_DIR``
+    The launcher (:func:`lightning_recover.cli.launcher.launch`) sets ``LIGHTNING_RECOVER_STATUS_DIR``
     and, after the job, reads the markers to tell a job in which no rank survived from one
     that ended normally (with ULFM, mpiexec reports 0 either way), and one whose program
     raised from one whose replicas died. Outside the launcher, or if the directory is gone,
@@ -420,7 +439,7 @@ def gate_exit(rank: int, reason: str) -> NoReturn:
 
 
 def quorum_exit(rank: int, reason: str) -> NoReturn:
-    """Leave because this side of a failure may not continue (:mod:`lightning_recover.quorum`).
+    """Leave because this side of a failure may not continue (:mod:`lightning_recover.comm.quorum`).
 
     Every survivor of the side runs this at the same point of the same repair, so the side
     stops whole; nothing is written after it. The ``exited`` marker holds ``no quorum: REASON``
@@ -451,7 +470,7 @@ def _leave_by(sig: signal.Signals) -> NoReturn:
     os._exit(128 + int(sig))
 
 
-def end_job(comm: FaultTolerantComm, exit_code: int | None = None) -> None:
+def end_job(comm: JobComm, exit_code: int | None = None) -> None:
     """End of job: agree with the survivors (nobody leaves while a peer still needs it), free.
 
     Runs by itself at a normal interpreter exit (see :func:`start_rank`); call it to end

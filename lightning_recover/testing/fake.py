@@ -1,8 +1,8 @@
 """FakeWorld: the communicator contract kept in one process, for fast tests of the step engine.
 
 Role in the recovery protocol: a stand-in for layer 1
-(:class:`lightning_recover.communicator.FaultTolerantComm`) that keeps the contract of
-:class:`~lightning_recover.recovery.interface.ReplicaComm` with ULFM's semantics, so the
+(:class:`lightning_recover.comm.communicator.FaultTolerantComm`) that keeps the contract of
+:class:`~lightning_recover.comm.interface.ReplicaComm` with ULFM's semantics, so the
 step engine (layer 2) and the recovery callbacks can be driven through every failure
 point in seconds. It complements the real MPI tests, it never replaces them.
 
@@ -55,9 +55,9 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 
-from lightning_recover.recovery.buckets import ReduceHandle, plan_buckets
-from lightning_recover.recovery.interface import PeerFailure, RepairResult
-from lightning_recover.topology import RankLayout
+from lightning_recover.comm.buckets import ReduceHandle, plan_buckets
+from lightning_recover.comm.interface import PeerFailure, RepairResult
+from lightning_recover.comm.topology import RankLayout
 
 __all__ = ["Admission", "Died", "FakeComm", "FakeWorld", "Kill", "Merged", "RankDeath", "KILL_POINTS"]
 
@@ -543,7 +543,7 @@ class FakeWorld:
 
 
 class FakeComm:
-    """One simulated rank's communicator: keeps :class:`~lightning_recover.recovery.interface.ReplicaComm`."""
+    """One simulated rank's communicator: keeps :class:`~lightning_recover.comm.interface.ReplicaComm`."""
 
     def __init__(self, world: FakeWorld, rank: int, life: int = 0) -> None:
         self._world = world

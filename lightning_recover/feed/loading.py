@@ -21,7 +21,7 @@ the workers load them while the model computes.
   still needs), so from the step after a failure every microbatch is streamed again.
 
 Randomness: each microbatch is loaded under ``torch`` seeded with its own
-:meth:`~lightning_recover.data.MicrobatchSource.seed_for` seed (in whichever process loads
+:meth:`~lightning_recover.feed.data.MicrobatchSource.seed_for` seed (in whichever process loads
 it), and the main process resumes the forward from the generator state the load left, so
 random augmentations and dropout are bitwise the same whether a microbatch was prefetched
 by a worker or fetched directly, on whichever replica -- exactly as a direct fetch after
@@ -38,15 +38,12 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_recover.policy import TooFewReplicasError, WorkloadPolicy, make_policy
-
-if TYPE_CHECKING:
-    from lightning_recover.data import MicrobatchSource
+from lightning_recover.workload.policy import TooFewReplicasError, WorkloadPolicy, make_policy
 
 __all__ = [
     "Delivered",
@@ -164,6 +161,23 @@ class WorkerInit:
             self.user_fn(worker_id)
 
 
+class SourceView(Protocol):
+    """What the feed reads of :class:`lightning_recover.feed.data.MicrobatchSource`.
+
+    A protocol rather than the class: that module builds on this one, so this one names only
+    what it uses of it (and never imports it).
+    """
+
+    seeded: SeededDataset
+    keyed_collate: KeyedCollate
+
+    def seed_for(self, step: int, offset: int) -> int: ...
+
+    def planned_indices(self, step: int, offset: int) -> PlannedIndices: ...
+
+    def load(self, step: int, offset: int) -> Delivered: ...
+
+
 class PlanView(Protocol):
     """What the sampler reads of the engine (all in the main process)."""
 
@@ -229,7 +243,7 @@ class PlannedBatchSampler:
     ``announced``, the feed's record of what is in flight, in order.
     """
 
-    def __init__(self, source: MicrobatchSource, plan: PlanView, announced: collections.deque[Key]) -> None:
+    def __init__(self, source: SourceView, plan: PlanView, announced: collections.deque[Key]) -> None:
         self.source = source
         self.plan = plan
         self.announced = announced
@@ -274,7 +288,7 @@ class MicrobatchFeed:
 
     def __init__(
         self,
-        source: MicrobatchSource,
+        source: SourceView,
         user_loader: Any,
         plan: PlanView,
         *,

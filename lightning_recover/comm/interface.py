@@ -1,7 +1,7 @@
 """The communicator contract the step engine runs against (layer 1 as layer 2 sees it).
 
-Two implementations keep it: :class:`lightning_recover.communicator.FaultTolerantComm`
-(ULFM MPI, real processes) and :class:`lightning_recover.recovery.fake.FakeWorld`'s
+Two implementations keep it: :class:`lightning_recover.comm.communicator.FaultTolerantComm`
+(ULFM MPI, real processes) and :class:`lightning_recover.testing.fake.FakeWorld`'s
 per-replica handles (threads in one process, scripted failures) for fast tests.
 
 The contract, for every survivor of a world epoch:
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from lightning_recover.errors import RecoverError
-from lightning_recover.recovery.buckets import ReduceHandle
+from lightning_recover.comm.buckets import ReduceHandle
 
 
 class PeerFailure(RecoverError, RuntimeError):

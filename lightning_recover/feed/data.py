@@ -5,11 +5,11 @@ Lightning's train loop iterates a loader; under the recovery protocol one iterat
 failures inside the step. So the strategy swaps the user's train DataLoader for a
 :class:`TicketLoader` yielding one :class:`StepTicket` per step, and identifies each
 planned microbatch by its global id through :class:`MicrobatchSource`: the
-:class:`~lightning_recover.planner.MicrobatchPlanner` maps (step, step-local id) to a
+:class:`~lightning_recover.workload.planner.MicrobatchPlanner` maps (step, step-local id) to a
 global id, and the global id to this shard's samples and RNG seed. Any replica computing
 id m therefore gets the same samples and the same random numbers. The microbatches are
 loaded through the user's DataLoader settings (workers, pinning) by
-:class:`~lightning_recover.loading.MicrobatchFeed`.
+:class:`~lightning_recover.feed.loading.MicrobatchFeed`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from lightning_recover.config import ConfigurationError
-from lightning_recover.loading import Delivered, KeyedCollate, PlannedIndices, SeededDataset
-from lightning_recover.planner import MicrobatchPlanner
+from lightning_recover.feed.loading import Delivered, KeyedCollate, PlannedIndices, SeededDataset
+from lightning_recover.workload.planner import MicrobatchPlanner
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class TicketLoader:
     """Stands in for the train DataLoader: one ticket per optimizer step of a data epoch.
 
     ``on_epoch`` runs when Lightning starts iterating an epoch (the feed starts loading
-    that epoch's microbatches ahead, see :class:`~lightning_recover.loading.MicrobatchFeed`).
+    that epoch's microbatches ahead, see :class:`~lightning_recover.feed.loading.MicrobatchFeed`).
     """
 
     def __init__(self, steps_per_epoch: int, on_epoch: Callable[[], None] | None = None) -> None:
@@ -68,7 +68,7 @@ class MicrobatchSource:
             raise ConfigurationError("the train DataLoader needs a batch_size (the per-rank microbatch size)")
         self.dataset = dataset
         self.collate: Callable[[list[Any]], Any] = getattr(dataloader, "collate_fn", None) or torch.utils.data.default_collate
-        #: What loads a planned microbatch, here or in a loader worker (:mod:`lightning_recover.loading`).
+        #: What loads a planned microbatch, here or in a loader worker (:mod:`lightning_recover.feed.loading`).
         self.seeded = SeededDataset(dataset)
         self.keyed_collate = KeyedCollate(self.collate)
         self.shard = shard

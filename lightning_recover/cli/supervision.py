@@ -13,10 +13,10 @@ job instead, and no code inside the job can prevent it:
 * **a stop below min_replicas** (the strategy ends the job with status 3, by policy);
 * **no quorum** -- half the replicas, the leader's among them, lost to a cause the
   survivors cannot verify (a lost or cut-off host): the quorum rule
-  (:mod:`lightning_recover.quorum`) stops the other half too (each rank by SIGUSR2; the job reports status 75), so that two
+  (:mod:`lightning_recover.comm.quorum`) stops the other half too (each rank by SIGUSR2; the job reports status 75), so that two
   worlds never train at once.
 
-``lightning-recover launch --supervise`` (:func:`lightning_recover.launcher.supervise`)
+``lightning-recover launch --supervise`` (:func:`lightning_recover.cli.launcher.supervise`)
 runs the job, and when it ends this way relaunches the same command from the newest
 checkpoint on the hosts that remain. This module is the pure half of that loop: from the
 hosts, the policy and what one ``mpiexec`` run left behind (the ranks' status markers,
@@ -63,6 +63,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from lightning_recover.runtime.slurm import parse_slurm_counts
+
 #: What PRRTE 3.0 prints when it loses a remote daemon (help-errmgr-base.txt, [node-died]).
 LOST_DAEMON = "PRTE has lost communication with a remote daemon"
 #: The line of that message that names the lost daemon's node: ``Remote daemon: [prterun-x-1@0,2] on node nodeB``.
@@ -75,7 +77,7 @@ DAEMON_START_FAILURES = (
     "was unable to reliably start one or more daemons", "PRTE daemon has unexpectedly failed after launch", DAEMON_REPORT_FAILURE,
 )
 _REMOTE_HOST = re.compile(r"Remote host:\s+(\S+)")
-#: Open MPI 5's PMIx listener race (see lightning_recover.launcher.RUNTIME_START_FAILURE): no rank ran.
+#: Open MPI 5's PMIx listener race (see lightning_recover.cli.launcher.RUNTIME_START_FAILURE): no rank ran.
 RUNTIME_START_FAILURE = "The PMIx server's listener thread failed to start"
 #: The status a job ends with when fewer than ``min_replicas`` replicas are alive (the strategy's
 #: policy stop, ``end_job(comm, 3)``; examples/pretrain.py exits with it): a relaunch restores replicas.
@@ -160,19 +162,6 @@ def parse_hostfile(text: str, source: str = "the hostfile") -> tuple[Host, ...]:
     return _unique(hosts, source)
 
 
-def parse_slurm_counts(spec: str, nodes: int) -> list[int]:
-    """Slurm's compressed per-node counts (``SLURM_TASKS_PER_NODE``): ``"4(x2),2"`` -> ``[4, 4, 2]``."""
-    counts: list[int] = []
-    for part in spec.split(","):
-        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if m is None:
-            raise ValueError(f"Slurm per-node count {spec!r} is not like '4(x2),2'; set --hosts explicitly")
-        counts += [int(m.group(1))] * int(m.group(2) or 1)
-    if len(counts) != nodes:
-        raise ValueError(f"Slurm per-node count {spec!r} gives {len(counts)} node(s) but the allocation has {nodes}; set --hosts explicitly")
-    return counts
-
-
 def slurm_hosts(names: Sequence[str], per_node: str) -> tuple[Host, ...]:
     """The allocation's hosts (``scontrol show hostnames``) with their slots from Slurm's per-node counts."""
     return _unique([Host(n, c) for n, c in zip(names, parse_slurm_counts(per_node, len(names)))], "the Slurm allocation")
@@ -201,7 +190,7 @@ class Outcome:
     """What one ``mpiexec`` run left: its status, its output's tail, the ranks' markers, the watchdog's verdict.
 
     ``started``/``ok``/``exited``/``raised`` are the ranks that left those status markers
-    (:data:`lightning_recover.launcher.ENV_STATUS_DIR`); ``raised`` maps a rank to its
+    (:data:`lightning_recover.runtime.markers.ENV_STATUS_DIR`); ``raised`` maps a rank to its
     exception's summary line.
     """
 

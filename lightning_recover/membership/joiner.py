@@ -1,14 +1,14 @@
-"""Entry point of a replacement rank: ``python -m lightning_recover.joiner SEAT SCRIPT [ARGS...]``,
-or of a warm standby: ``python -m lightning_recover.joiner --standby SPEC SCRIPT [ARGS...]``.
+"""Entry point of a replacement rank: ``python -m lightning_recover.membership.joiner SEAT SCRIPT [ARGS...]``,
+or of a warm standby: ``python -m lightning_recover.membership.joiner --standby SPEC SCRIPT [ARGS...]``.
 
-The survivors spawn this (:mod:`lightning_recover.rejoin`); nobody runs it by hand. It
+The survivors spawn this (:mod:`lightning_recover.membership.rejoin`); nobody runs it by hand. It
 initializes MPI and merges with the survivors first -- before the script imports torch and
 Lightning, which takes seconds -- so the survivors' Spawn returns about as fast as a bare
 interpreter starts and they train on while this process gets ready. Then it runs the
 user's script under its original argv; the strategy finds the seat with
-:func:`lightning_recover.rejoin.seat` and joins at a step boundary.
+:func:`lightning_recover.membership.rejoin.seat` and joins at a step boundary.
 
-A standby (see "Warm standbys" in :mod:`lightning_recover.rejoin`) merges with the leader
+A standby (see "Warm standbys" in :mod:`lightning_recover.membership.rejoin`) merges with the leader
 alone, imports the strategy and the installed packages the script imports at its top level
 (:func:`installed_imports`; never the user's own modules), tells the leader it is warm and
 sleeps until it gets a seat -- then it runs the script exactly as a replacement does, merged
@@ -41,7 +41,7 @@ for the job's size, never ``MPI.COMM_WORLD.Get_size()``.
 ``sys.exit(3)`` from a failed check, an uncaught exception, or simply returning -- leaves
 by ``SIGKILL`` after one stderr line, never by a plain exit status: Open MPI 5.0.11 does not
 reliably tell the survivors about a spawned process that exited with a non-zero status (of
-two in one attempt, only one ever reached them; see also :mod:`lightning_recover.lifecycle`),
+two in one attempt, only one ever reached them; see also :mod:`lightning_recover.runtime.lifecycle`),
 while a killed one is an ordinary process failure,
 and the survivors drop the attempt at their next step boundary instead of after
 ``rejoin_timeout_s``. (The survivors never wait on an unreported death either; this only
@@ -67,7 +67,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from lightning_recover import lifecycle, rejoin
+from lightning_recover.membership import rejoin
+from lightning_recover.runtime import lifecycle
 
 
 #: Seconds past the timeout after which the kernel ends a replacement the timer thread could not.
@@ -129,11 +130,11 @@ def admitted() -> None:
 
 def job_environment(seat: rejoin.Seat, child_rank: int) -> dict[str, str]:
     """What the script of the ``child_rank``-th process of ``seat``'s spawn must find in its environment:
-    the survivors' job settings (:func:`lightning_recover.rejoin.job_environ`) and the
+    the survivors' job settings (:func:`lightning_recover.membership.rejoin.job_environ`) and the
     launcher variables of the job's world, this process's being the logical rank it takes over."""
     world = seat.context.get("world_size")
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise SystemExit(f"lightning_recover.joiner: the seat has no job world size (context world_size={world!r}); "
+        raise SystemExit(f"lightning_recover.membership.joiner: the seat has no job world size (context world_size={world!r}); "
                          "the survivors run another version of lightning-recover: install one version on every node")
     environ = {str(k): str(v) for k, v in dict(seat.context.get("environ", {})).items()}
     environ.update({"OMPI_COMM_WORLD_SIZE": str(world), "OMPI_COMM_WORLD_RANK": str(seat.ranks[child_rank])})
@@ -262,11 +263,11 @@ def standby(spec_json: str, script_argv: list[str]) -> None:
         spec = dict(json.loads(spec_json))
         rejoin._marks["spawned"] = float(spec["spawned_at"])
     except (ValueError, KeyError, TypeError):
-        raise SystemExit(f"lightning_recover.joiner --standby: {spec_json!r} is not the leader's JSON spec") from None
+        raise SystemExit(f"lightning_recover.membership.joiner --standby: {spec_json!r} is not the leader's JSON spec") from None
     # Bounded until the leader has heard that it is warm: a standby whose leader ended meanwhile
     # (training finished while it started) must not wait in MPI's start-up or a send forever.
     _leave_after(float(spec.get("timeout_s", 120.0)), f"standby {spec.get('number')}")
-    link = _merge_with_parent("lightning_recover.joiner --standby runs only as a spawned standby")
+    link = _merge_with_parent("lightning_recover.membership.joiner --standby runs only as a spawned standby")
     alive = _leader_alive(spec)
     rejoin.leader_alive = alive
     restore = yield_while_warming() if spec.get("yield_cpu") else (lambda: None)
@@ -323,12 +324,12 @@ def main(argv: list[str]) -> None:
         standby(argv[1], argv[2:])
         return
     if len(argv) < 2:
-        raise SystemExit("usage: python -m lightning_recover.joiner [--standby SPEC | SEAT] SCRIPT [ARGS...] (spawned by lightning-recover)")
+        raise SystemExit("usage: python -m lightning_recover.membership.joiner [--standby SPEC | SEAT] SCRIPT [ARGS...] (spawned by lightning-recover)")
     rejoin.mark("python")
     seat = rejoin.Seat.from_json(argv[0])
     timeout = float(seat.context.get("timeout_s", 120.0))
     _leave_after(timeout, f"of attempt {seat.attempt}")
-    _run(seat, _merge_with_parent("lightning_recover.joiner runs only as a spawned replacement"), argv[1:])
+    _run(seat, _merge_with_parent("lightning_recover.membership.joiner runs only as a spawned replacement"), argv[1:])
 
 
 def _merge_with_parent(refusal: str) -> Any:

@@ -30,9 +30,9 @@ lost is printed (detection, relaunch, restore, replay since the checkpoint).
 
 
 def _launch(argv: list[str]) -> int:
-    from lightning_recover.launcher import DEFAULT_RESUME_ARG, launch, slurm_allocation, supervise
-    from lightning_recover.slurm import allocation_tasks, tasks_outnumber_cpus
-    from lightning_recover.supervision import SupervisionPolicy, parse_host_list, parse_hostfile
+    from lightning_recover.cli.launcher import DEFAULT_RESUME_ARG, launch, slurm_allocation, supervise
+    from lightning_recover.runtime.slurm import allocation_tasks, tasks_outnumber_cpus
+    from lightning_recover.cli.supervision import SupervisionPolicy, parse_host_list, parse_hostfile
 
     parser = argparse.ArgumentParser(
         prog="lightning-recover launch",
@@ -132,13 +132,13 @@ def _launch(argv: list[str]) -> int:
 
 
 def _check_ledger(argv: list[str]) -> int:
-    from lightning_recover.ledger import main as ledger_main
+    from lightning_recover.audit.ledger import main as ledger_main
 
     return ledger_main(argv)
 
 
 def _report(argv: list[str]) -> int:
-    from lightning_recover.report import main as report_main
+    from lightning_recover.audit.report import main as report_main
 
     return report_main(argv)
 

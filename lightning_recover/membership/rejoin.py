@@ -3,7 +3,7 @@
 A job that lost replicas spawns replacements (``recover.rejoin=true``), up to the replica
 count it started with. A replacement takes the *logical ranks* of a lost replica (the
 layout never changes) and runs the same program: the interpreter and the original argv,
-behind ``python -m lightning_recover.joiner`` (:mod:`lightning_recover.joiner`), which
+behind ``python -m lightning_recover.membership.joiner`` (:mod:`lightning_recover.membership.joiner`), which
 initializes MPI and merges with the survivors *before* the script imports torch.
 
 One join attempt, as every survivor runs it (the leader decides at each step boundary and
@@ -50,7 +50,7 @@ waits forever inside ``MPI_Isend`` (the address lookup that opens the connection
   the blocking part of :meth:`~FaultTolerantComm.grow` once every member has met them.
 
 On top of that the joiner turns a script's exit or uncaught exception before admission into
-SIGKILL (:mod:`lightning_recover.joiner`), which Open MPI does report, so such an attempt is
+SIGKILL (:mod:`lightning_recover.membership.joiner`), which Open MPI does report, so such an attempt is
 usually dropped at the next step boundary rather than after ``rejoin_timeout_s``.
 
 A repair of the survivors' world while an attempt is open drops it the same way (a
@@ -72,7 +72,7 @@ spawned ahead of any loss, each one replica's processes::
 
     SPAWN    the leader alone Spawns S processes from MPI_COMM_SELF (a background thread;
              the next one only once the others are warm) and Merges them into a *link*
-             (leader rank 0). They run ``python -m lightning_recover.joiner --standby``:
+             (leader rank 0). They run ``python -m lightning_recover.membership.joiner --standby``:
              say hello (pid) on the link, import the strategy and the installed packages the
              script imports at its top level (nothing of the user's own code), say WARM, and
              sleep, looking at the link every :data:`STANDBY_POLL_S` (no core taken).
@@ -130,13 +130,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lightning_recover import lifecycle
+from lightning_recover.runtime import lifecycle
 
 if TYPE_CHECKING:
     import torch
     from mpi4py import MPI
 
-    from lightning_recover.communicator import FaultTolerantComm
+    from lightning_recover.comm.communicator import FaultTolerantComm
 
 __all__ = ["JoinAttempt", "Recruiter", "Seat", "recv_state", "send_state", "seat"]
 
@@ -271,7 +271,7 @@ def job_environ() -> dict[str, str]:
     ``examples/pretrain.py`` fixes ``LR_RUN_STAMP``, its run directory, once rank 0's start
     time is known): a replacement starts later and from mpiexec's environment, and would
     otherwise resolve them differently (another run directory, another checkpoint dir).
-    The joiner sets them before the script runs (:mod:`lightning_recover.joiner`)."""
+    The joiner sets them before the script runs (:mod:`lightning_recover.membership.joiner`)."""
     return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
 
@@ -472,7 +472,7 @@ class Recruiter:
         att = JoinAttempt(self.started_attempts, replicas, seat_, survivors=self.comm.world.Get_size())
         dup = self.comm.duplicate_world()
         info = self._spawn_info()
-        args = ["-m", "lightning_recover.joiner", seat_.to_json(), *self.argv]
+        args = ["-m", "lightning_recover.membership.joiner", seat_.to_json(), *self.argv]
 
         self._merge_in_background(
             att, lambda: dup.Spawn(sys.executable, args=args, maxprocs=len(ranks), info=info, root=0), "spawn failed", "spawn"
@@ -556,14 +556,14 @@ class Recruiter:
         self.spawned_standbys += 1
         sb = Standby(self.spawned_standbys)
         start = lifecycle.process_start_time(os.getpid())
-        from lightning_recover import mpi_wait
+        from lightning_recover.comm import mpi_wait
 
         # On a host whose cores the job's ranks already share, a standby spawned during training
         # would take cores from it: it yields them (see joiner.yield_while_warming). One spawned
         # while the job sets up races the job's first loss instead, at full priority.
         spec = {"number": sb.number, "leader_pid": os.getpid(), "leader_start": start, "leader_host": _host_checksum(),
                 "spawned_at": sb.spawned_at, "yield_cpu": mpi_wait.polite() and self._training, "timeout_s": self.timeout_s}
-        args = ["-m", "lightning_recover.joiner", "--standby", json.dumps(spec), *self.argv]
+        args = ["-m", "lightning_recover.membership.joiner", "--standby", json.dumps(spec), *self.argv]
         info = self._spawn_info()
         # Spawn is collective over its communicator: standbys spawned at once from their own threads
         # must not share one (two collectives in flight on one communicator are erroneous in MPI).
@@ -753,7 +753,7 @@ class Recruiter:
         a non-zero status in one attempt: only the first death reached the survivors) that
         lookup waits forever, inside ``Isend``, on the survivor's main thread. A replacement
         that said READY is connected already (its message came in); one that did not is dead,
-        wedged or still starting, and leaves by its own timer (:mod:`lightning_recover.joiner`)."""
+        wedged or still starting, and leaves by its own timer (:mod:`lightning_recover.membership.joiner`)."""
         MPI = _mpi()
         if self.comm.is_leader and att.merged is not None:
             abort = np.array([ABORT], dtype=np.int64)

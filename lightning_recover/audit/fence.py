@@ -1,6 +1,6 @@
 """The write fence: only the newest world of the newest launch writes the run's files.
 
-The quorum rule (:mod:`lightning_recover.quorum`) keeps a losing side of a cut from
+The quorum rule (:mod:`lightning_recover.comm.quorum`) keeps a losing side of a cut from
 training on. The fence keeps what is left of an older world from writing: a leader that
 was frozen (SIGSTOP of its host, a stalled VM) between a commit and its ledger line and
 is thawed after the others repaired, or a rank of an earlier launch still running when

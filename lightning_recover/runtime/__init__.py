@@ -1,0 +1,10 @@
+"""A rank's process: how it starts and leaves, what it tells the launcher, how a hang ends.
+
+  markers    the status-marker names shared by the ranks and the launcher
+  slurm      what the environment tells of Slurm; refusing a direct srun start
+  lifecycle  a rank's start and end: crash hook, replica-consistency gate, markers, SIGTERM
+  watchdog   hang detection: heartbeats, same-host kill of stopped or stuck ranks
+
+Below the communicator: it leaves through :mod:`lightning_recover.runtime.lifecycle`'s exits,
+and this layer never imports the communicator, nor the launch side it talks to through markers.
+"""

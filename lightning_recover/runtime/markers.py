@@ -1,0 +1,18 @@
+"""The status markers a rank leaves for the launcher: the one channel from ranks to ``lightning-recover launch``.
+
+The launcher (:mod:`lightning_recover.cli.launcher`) names a status directory in the ranks'
+environment; the rank side (:mod:`lightning_recover.runtime.lifecycle`) writes its markers
+there. Both sides read these names from here, so the ranks' runtime never imports the launch side.
+"""
+
+from __future__ import annotations
+
+#: Ranks of a fault-tolerant job leave markers here: ``started.R`` when their communicator
+#: comes up, ``ok.R`` when they end normally, ``exited.R`` when they stop on purpose with a
+#: non-zero status (below min_replicas), ``raised.R`` when an uncaught exception ended them
+#: (holding the exception's type name, then its last traceback line); a rank killed by a
+#: signal writes none.
+ENV_STATUS_DIR = "LIGHTNING_RECOVER_STATUS_DIR"
+#: How an ``exited.R`` marker starts when its rank stopped because its side of a failure lost
+#: the quorum (:func:`lightning_recover.runtime.lifecycle.quorum_exit`): the machines failed, not the program.
+QUORUM_MARKER = "no quorum"

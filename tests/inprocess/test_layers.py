@@ -1,0 +1,229 @@
+"""The package's layers: every import points down, no module cycle, Lightning and MPI where they belong.
+
+The package is cut into layers (its folders, see the map in ``lightning_recover/__init__.py``);
+a module may import its own layer and the layers below it, never one above. This test reads
+every module's source (``ast``, nothing is imported) and builds the import graph from all of
+its imports: absolute and relative, at module level, under ``if TYPE_CHECKING:`` and inside
+functions (a lazy import is still a dependency, and an upward one is how cycles come back).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "lightning_recover"
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
+
+#: The layers, bottom up. A module's layer is its folder; the root's modules are named one by one.
+LAYERS: list[str] = [
+    "base",  # errors, _compat, _lightning, config: what every layer may use
+    "workload",  # layer 3, pure: policy and planner
+    "audit",  # ledger, report, corruption fingerprints, write fences
+    "runtime",  # a rank's process: lifecycle, markers, Slurm, watchdog
+    "comm",  # layer 1: communicator, data planes, process group, the engine's contract
+    "recovery",  # layer 2: the step engine
+    "feed",  # exactly-once data
+    "membership",  # hot re-join
+    "callbacks",  # Lightning callbacks (and loggers)
+    "strategies",  # the Lightning strategy
+    "testing",  # the simulated world, fake hosts
+    "cli",  # the launch side
+    "api",  # lightning_recover/__init__.py: the public names, resolved lazily from any layer
+]
+BASE_MODULES = {"errors", "_compat", "_lightning", "config"}
+#: Only these may import Lightning: the strategy and callback layers, and the one home of its private API.
+LIGHTNING_LAYERS = {"callbacks", "strategies"}
+LIGHTNING_MODULES = {f"{PACKAGE}._lightning"}
+LIGHTNING_ROOTS = {"lightning", "pytorch_lightning"}
+#: Pure layers: decided on every rank from the same inputs and tested without a world.
+PURE_LAYERS = {"workload", "audit"}
+
+#: Known upward imports, each with the reason it is still there. The test fails when one of
+#: them is gone too, so that this list only ever shrinks.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {
+    (f"{PACKAGE}.membership.joiner", f"{PACKAGE}.strategies"): (
+        "a warm standby imports the strategy before it sleeps (joiner._warm_up); the fix is to move the "
+        "joiner's entry point (main, _warm_up) above strategies, once the re-join work on membership/ has landed"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's target, where it is written."""
+
+    source: str  # the importing module
+    target: str  # the imported module (or package), absolute
+    path: Path
+    line: int
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES: dict[str, Path] = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "api"
+    if (ROOT / parts[1]).is_dir():
+        return parts[1]
+    if parts[1] in BASE_MODULES:
+        return "base"
+    raise AssertionError(
+        f"{module} is a module at the package root outside the base layer ({sorted(BASE_MODULES)}); "
+        f"move it into the folder of its layer, or add it to BASE_MODULES in {Path(__file__).name} if every layer needs it"
+    )
+
+
+def imports_of(module: str, path: Path) -> list[Import]:
+    """Every import in ``path``: absolute and relative, at any depth of the file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[Import] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [Import(module, alias.name, path, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                # `from pkg import mod` imports the module pkg.mod; `from mod import name` imports mod.
+                full = f"{base}.{alias.name}"
+                found.append(Import(module, full if full in MODULES else base, path, node.lineno))
+    return found
+
+
+IMPORTS: list[Import] = [imp for module, path in MODULES.items() for imp in imports_of(module, path)]
+INTERNAL: list[Import] = [imp for imp in IMPORTS if imp.target == PACKAGE or imp.target.startswith(PACKAGE + ".")]
+
+
+def where(imp: Import) -> str:
+    return f"{imp.path.relative_to(ROOT.parent)}:{imp.line}"
+
+
+def test_every_module_has_a_known_layer() -> None:
+    for module in MODULES:
+        assert layer_of(module) in LAYERS, f"{module} is in folder {layer_of(module)!r}, which is not in LAYERS; add the folder to LAYERS in its place"
+    folders = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders <= set(LAYERS), f"packages {sorted(folders - set(LAYERS))} are not layers; add them to LAYERS in their place, bottom up"
+
+
+def test_imports_point_down_the_layers() -> None:
+    upward: list[str] = []
+    used: set[tuple[str, str]] = set()
+    for imp in INTERNAL:
+        if imp.target not in MODULES:
+            upward.append(f"{where(imp)}: {imp.source} imports {imp.target}, which is no module of the package; fix the path")
+            continue
+        low, high = layer_of(imp.source), layer_of(imp.target)
+        if LAYERS.index(high) <= LAYERS.index(low):
+            continue
+        key = (imp.source, imp.target)
+        if key in ALLOWED_UPWARD:
+            used.add(key)
+            continue
+        upward.append(
+            f"{where(imp)}: {imp.source} (layer {low}) imports {imp.target} (layer {high}, above it); "
+            f"pass what it needs in from above (a parameter or callable, a Protocol for a type) or move the shared piece down to {low} or below"
+        )
+    assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
+    stale = set(ALLOWED_UPWARD) - used
+    assert not stale, f"ALLOWED_UPWARD names imports that are gone: {sorted(stale)}; delete them from the list"
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` as a path whose last node is its first, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_no_import_cycle_between_modules() -> None:
+    graph: dict[str, set[str]] = {}
+    lines: dict[tuple[str, str], str] = {}
+    for imp in INTERNAL:
+        # A known upward import (ALLOWED_UPWARD) is the one edge of its cycle that is already on record.
+        if imp.target in MODULES and imp.target != imp.source and (imp.source, imp.target) not in ALLOWED_UPWARD:
+            graph.setdefault(imp.source, set()).add(imp.target)
+            lines.setdefault((imp.source, imp.target), where(imp))
+    cycle = find_cycle(graph)
+    assert cycle is None, (
+        "import cycle: " + " -> ".join(cycle) + "\n" + "\n".join(f"  {lines[a, b]}: {a} imports {b}" for a, b in zip(cycle, cycle[1:]))
+        + "\nbreak it: the lower module takes what it needs as a parameter (or names its type with a Protocol), or the shared piece moves down"
+    )
+
+
+def test_only_the_lightning_layers_import_lightning() -> None:
+    wrong = [
+        f"{where(imp)}: {imp.source} imports {imp.target}; only {sorted(LIGHTNING_LAYERS)} (and {PACKAGE}._lightning for private API) "
+        "may import Lightning: move the Lightning-facing part there and pass plain values down"
+        for imp in IMPORTS
+        if imp.target.split(".")[0] in LIGHTNING_ROOTS
+        and layer_of(imp.source) not in LIGHTNING_LAYERS
+        and imp.source not in LIGHTNING_MODULES
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("layer", sorted(PURE_LAYERS))
+def test_pure_layers_import_neither_torch_distributed_nor_mpi(layer: str) -> None:
+    modules = [m for m in MODULES if layer_of(m) == layer]
+    assert modules, f"layer {layer} has no modules; remove it from PURE_LAYERS"
+    wrong = [
+        f"{where(imp)}: {imp.source} imports {imp.target}; the {layer} layer is pure (no torch.distributed, no MPI): "
+        "take the result of the communication as a parameter instead"
+        for imp in IMPORTS
+        if imp.source in modules
+        and (imp.target == "mpi4py" or imp.target.startswith("mpi4py.") or imp.target == "torch.distributed" or imp.target.startswith("torch.distributed."))
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_graph_sees_lazy_relative_and_type_checking_imports(tmp_path: Path) -> None:
+    """The scanner itself: an upward import hidden in a function, a relative import and a TYPE_CHECKING one all count."""
+    pkg = tmp_path / PACKAGE / "comm"
+    pkg.mkdir(parents=True)
+    source = pkg / "x.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "from . import topology\n"
+        "if TYPE_CHECKING:\n"
+        "    from ..recovery.engine import Probes\n"
+        "def f():\n"
+        "    from lightning_recover.strategies import recover_hsdp\n"
+    )
+    targets = {imp.target for imp in imports_of(f"{PACKAGE}.comm.x", source)}
+    assert {f"{PACKAGE}.comm.topology", f"{PACKAGE}.recovery.engine", f"{PACKAGE}.strategies.recover_hsdp"} <= targets
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
