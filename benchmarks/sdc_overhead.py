@@ -46,8 +46,8 @@ def fingerprint_cost(size: str, repeats: int = 10) -> tuple[float, int]:
     sys.path.insert(0, str(ROOT / "examples"))
     from model import GPT, SIZES
 
-    from lightning_recover.callbacks.corruption_check import state_tensors
     from lightning_recover.audit.corruption import fingerprint
+    from lightning_recover.callbacks.corruption_check import state_tensors
 
     torch.set_num_threads(1)
     model = GPT(**SIZES[size], dropout=0.0, warmup_steps=2)

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_recover.errors import RecoverError
 from lightning_recover.audit.ledger import LedgerFormatError, read_ledger
+from lightning_recover.errors import RecoverError
 
 __all__ = [
     "REPORT_FIELDS",

@@ -41,8 +41,8 @@ from typing import Any, Protocol
 import torch
 from typing_extensions import override
 
-from lightning_recover.callbacks.base import RecoveryCallback
 from lightning_recover.audit.corruption import Fingerprint, fingerprint
+from lightning_recover.callbacks.base import RecoveryCallback
 from lightning_recover.recovery.state import StepState
 
 # Each buffer starts at a multiple of this many bytes in the packed message, so the bytes

@@ -43,11 +43,11 @@ from typing import Any
 import torch
 from typing_extensions import override
 
-from lightning_recover.errors import RecoverError
-from lightning_recover.runtime import lifecycle
-from lightning_recover.callbacks.base import RecoveryCallback
 from lightning_recover.audit.corruption import Fingerprint, Verdict, arbitrate, fingerprint
+from lightning_recover.callbacks.base import RecoveryCallback
+from lightning_recover.errors import RecoverError
 from lightning_recover.recovery.state import StepState
+from lightning_recover.runtime import lifecycle
 
 __all__ = ["CorruptionCheck", "SilentDataCorruptionError", "state_tensors"]
 

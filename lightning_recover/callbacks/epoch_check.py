@@ -12,9 +12,9 @@ from typing import Any
 
 from typing_extensions import override
 
-from lightning_recover.errors import RecoverError
 from lightning_recover.callbacks.base import RecoveryCallback
 from lightning_recover.comm.interface import RepairResult
+from lightning_recover.errors import RecoverError
 from lightning_recover.recovery.state import StepState
 
 

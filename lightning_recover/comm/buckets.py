@@ -1,4 +1,7 @@
-"""Gradient buckets and their world-epoch tags: the bookkeeping of in-step recovery (layer 2).
+"""Gradient buckets and their world-epoch tags: what in-step recovery (layer 2) keeps of a reduction.
+
+Part of the communicator contract (layer 1 fills the buckets, layer 2 judges them), so it lives
+beside :mod:`lightning_recover.comm.interface`.
 
 A step's cross-replica reduction is cut into buckets. Each bucket records the **world
 epoch** (the membership generation, bumped by every repair; not a data epoch and not

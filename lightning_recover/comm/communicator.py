@@ -72,9 +72,9 @@ from typing import TYPE_CHECKING, NoReturn
 import numpy as np
 import torch
 
-from lightning_recover.errors import RecoverError
+from lightning_recover.audit.fence import WorldFence
 from lightning_recover.comm import mpi_wait, netaddr, quorum
-from lightning_recover.runtime import lifecycle
+from lightning_recover.comm.buckets import ReduceHandle, plan_buckets
 from lightning_recover.comm.data_plane import (
     DATA_PLANES,
     NATIVE,
@@ -85,10 +85,10 @@ from lightning_recover.comm.data_plane import (
     TorchDistDataPlane,
     host_store,
 )
-from lightning_recover.audit.fence import WorldFence
-from lightning_recover.comm.buckets import ReduceHandle, plan_buckets
 from lightning_recover.comm.interface import PeerFailure, RepairResult
 from lightning_recover.comm.topology import RankLayout
+from lightning_recover.errors import RecoverError
+from lightning_recover.runtime import lifecycle
 
 if TYPE_CHECKING:
     from mpi4py import MPI

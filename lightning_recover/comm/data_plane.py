@@ -65,11 +65,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 import torch
 
-from lightning_recover.errors import RecoverError
 from lightning_recover.comm import mpi_wait, netaddr
-from lightning_recover.config import DATA_PLANES, ConfigurationError
 from lightning_recover.comm.buckets import Bucket
 from lightning_recover.comm.interface import PeerFailure
+from lightning_recover.config import DATA_PLANES, ConfigurationError
+from lightning_recover.errors import RecoverError
 
 if TYPE_CHECKING:
     import torch.distributed as dist

@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lightning_recover.errors import RecoverError
 from lightning_recover.comm.buckets import ReduceHandle
+from lightning_recover.errors import RecoverError
 
 
 class PeerFailure(RecoverError, RuntimeError):

@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_recover.errors import RecoverError
 from lightning_recover.comm import mpi_wait
 from lightning_recover.comm.communicator import FAILURE_CONFIRM_S, failure_classes
 from lightning_recover.config import ConfigurationError
+from lightning_recover.errors import RecoverError
 
 if TYPE_CHECKING:
     from mpi4py import MPI

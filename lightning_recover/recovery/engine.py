@@ -62,12 +62,12 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from lightning_recover.workload.policy import WorkloadPolicy
-from lightning_recover.recovery.hooks import Dispatch
-from lightning_recover.recovery import step_values
 from lightning_recover.comm.interface import PeerFailure, RepairResult, ReplicaComm
+from lightning_recover.recovery import step_values
+from lightning_recover.recovery.hooks import Dispatch
 from lightning_recover.recovery.overlap import HelperThread, OverlappedReduction
 from lightning_recover.recovery.state import Join, Schedule, StepState
+from lightning_recover.workload.policy import WorkloadPolicy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_recover.workload.policy import ReplicaPlan, StepPlan
 from lightning_recover.comm.buckets import ReduceHandle
+from lightning_recover.workload.policy import ReplicaPlan, StepPlan
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,8 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from lightning_recover.feed.evaluation import Batches, EvaluationPlan
 from lightning_recover.comm.interface import RepairResult
+from lightning_recover.feed.evaluation import Batches, EvaluationPlan
 
 
 class EvaluationLoader:

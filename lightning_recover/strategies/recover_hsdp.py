@@ -56,8 +56,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_recover import _lightning
-from lightning_recover.membership import rejoin
-from lightning_recover.runtime import lifecycle
+from lightning_recover.audit.ledger import LeaderLedger
 from lightning_recover.callbacks import (
     BoundaryScheduler,
     BufferSync,
@@ -67,27 +66,28 @@ from lightning_recover.callbacks import (
     fallback_checkpoint,
 )
 from lightning_recover.callbacks.checkpoint import is_fallback
+from lightning_recover.callbacks.loggers import LeaderLogs
 from lightning_recover.comm.communicator import FaultTolerantComm
+from lightning_recover.comm.data_plane import check_data_plane
+from lightning_recover.comm.interface import RepairResult
+from lightning_recover.comm.process_group import ProcessGroupULFM, lockstep_refusal, new_replica_group
+from lightning_recover.comm.replica_plane import resolve_replica_plane, use_replica_plane
+from lightning_recover.comm.topology import RankLayout
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.feed.data import MicrobatchSource, StepTicket, TicketLoader
-from lightning_recover.comm.data_plane import check_data_plane
-from lightning_recover.audit.ledger import LeaderLedger
 from lightning_recover.feed.loading import EnginePlan, MicrobatchFeed
-from lightning_recover.callbacks.loggers import LeaderLogs
-from lightning_recover.workload.policy import WorkloadPolicy, make_policy
-from lightning_recover.comm.process_group import ProcessGroupULFM, lockstep_refusal, new_replica_group
+from lightning_recover.membership import rejoin
 from lightning_recover.recovery.engine import StepEngine
 from lightning_recover.recovery.hooks import dispatcher
-from lightning_recover.comm.interface import RepairResult
 from lightning_recover.recovery.state import Join
+from lightning_recover.runtime import lifecycle
 from lightning_recover.runtime.slurm import refuse_direct_launch
+from lightning_recover.runtime.watchdog import HangWatchdog, default_hang_timeout
 from lightning_recover.strategies import checkpoint_io
 from lightning_recover.strategies.environment import ReplicaEnvironment
 from lightning_recover.strategies.evaluation_loader import EvaluationLoader
 from lightning_recover.strategies.probes import StrategyProbes, install_progress_hooks
 from lightning_recover.strategies.replica_group import init_replica_group, is_comm_error
-from lightning_recover.comm.replica_plane import resolve_replica_plane, use_replica_plane
-from lightning_recover.strategies.step_logs import StepLogs
 from lightning_recover.strategies.sharding import (
     is_sharded,
     local,
@@ -96,8 +96,8 @@ from lightning_recover.strategies.sharding import (
     set_gradient_sync,
     shard_model,
 )
-from lightning_recover.comm.topology import RankLayout
-from lightning_recover.runtime.watchdog import HangWatchdog, default_hang_timeout
+from lightning_recover.strategies.step_logs import StepLogs
+from lightning_recover.workload.policy import WorkloadPolicy, make_policy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

@@ -49,8 +49,8 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_recover.errors import RecoverError
 from lightning_recover.config import POLICY_NAMES, ConfigurationError
+from lightning_recover.errors import RecoverError
 
 __all__ = [
     "AdaptiveWorld",

@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.runtime import lifecycle
-from lightning_recover.comm.communicator import FaultTolerantComm
 from lightning_recover.comm.buckets import Bucket, ReduceHandle, plan_buckets
+from lightning_recover.comm.communicator import FaultTolerantComm
+from lightning_recover.runtime import lifecycle
 
 sizes_st = st.lists(st.integers(0, 300), max_size=12)
 bucket_st = st.integers(1, 128)

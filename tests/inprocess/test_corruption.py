@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_recover.audit.corruption import arbitrate, fingerprint
 from lightning_recover.callbacks import FaultInjection
 from lightning_recover.config import ConfigurationError, RecoverConfig
-from lightning_recover.audit.corruption import arbitrate, fingerprint
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 

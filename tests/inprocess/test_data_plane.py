@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_recover.config import ConfigurationError
+from lightning_recover.comm.buckets import Bucket
 from lightning_recover.comm.data_plane import (
     DataPlaneError,
     FailedPlane,
@@ -25,8 +25,8 @@ from lightning_recover.comm.data_plane import (
     check_data_plane,
     host_store,
 )
-from lightning_recover.comm.buckets import Bucket
 from lightning_recover.comm.interface import PeerFailure
+from lightning_recover.config import ConfigurationError
 
 
 class FakeControl:
@@ -222,8 +222,8 @@ def test_unusable_data_planes_are_refused_with_the_fix() -> None:
 # ------------------------------------------------------------------------------ a real (singleton) communicator
 @pytest.fixture(scope="module")
 def gloo_comm():  # type: ignore[no-untyped-def]
-    from lightning_recover.runtime import lifecycle
     from lightning_recover.comm.communicator import FaultTolerantComm
+    from lightning_recover.runtime import lifecycle
 
     lifecycle.prepare_mpi()  # as the strategy does: no MPI_Finalize when pytest exits
     c = FaultTolerantComm(bucket_bytes=64, data_plane="gloo", plane_timeout_s=10.0)

@@ -29,12 +29,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_recover.callbacks import BoundaryScheduler, EpochCheck, RecoveryCallback, ReductionBuffers
-from lightning_recover.workload.policy import TooFewReplicasError, make_policy
-from lightning_recover.recovery.engine import Probes, StepEngine
-from lightning_recover.testing.fake import Died, FakeComm, FakeWorld, Kill
-from lightning_recover.recovery.hooks import dispatcher
 from lightning_recover.comm.interface import RepairResult
+from lightning_recover.recovery.engine import Probes, StepEngine
+from lightning_recover.recovery.hooks import dispatcher
 from lightning_recover.recovery.state import StepState
+from lightning_recover.testing.fake import Died, FakeComm, FakeWorld, Kill
+from lightning_recover.workload.policy import TooFewReplicasError, make_policy
 
 # The simulated gradients and losses, shared with test_engine_join.py so the two suites compare.
 from harness.engine_steps import BUCKET_NUMEL, SIZES, TIMEOUT_S, grad_of, loss_of

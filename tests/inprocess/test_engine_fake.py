@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_recover.testing.fake import Died, FakeComm, FakeWorld, Kill, RankDeath
 from lightning_recover.comm.interface import PeerFailure, RepairResult
+from lightning_recover.testing.fake import Died, FakeComm, FakeWorld, Kill, RankDeath
 
 
 def values(comm: FakeComm, n: int = 7, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -27,14 +27,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.callbacks import BoundaryScheduler, EpochCheck, ReductionBuffers
 from lightning_recover.audit.ledger import LedgerWriter, check_ledger
-from lightning_recover.workload.policy import WorkloadPolicy, make_policy
-from lightning_recover.recovery.engine import StepEngine
-from lightning_recover.testing.fake import FakeComm, FakeWorld, Kill
-from lightning_recover.recovery.hooks import RecoveryHooks, dispatcher
+from lightning_recover.callbacks import BoundaryScheduler, EpochCheck, ReductionBuffers
 from lightning_recover.comm.interface import PeerFailure
+from lightning_recover.recovery.engine import StepEngine
+from lightning_recover.recovery.hooks import RecoveryHooks, dispatcher
 from lightning_recover.recovery.state import Join
+from lightning_recover.testing.fake import FakeComm, FakeWorld, Kill
+from lightning_recover.workload.policy import WorkloadPolicy, make_policy
 
 # The same simulated gradients and losses as the step-engine suite (test_engine.py), so the two compare.
 from harness.engine_steps import BUCKET_NUMEL, SIZES, TIMEOUT_S, grad_of, loss_of

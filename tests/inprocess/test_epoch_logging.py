@@ -18,8 +18,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from lightning_recover.workload.planner import MicrobatchPlanner
 from lightning_recover.strategies import ReCoVerHSDPStrategy
+from lightning_recover.workload.planner import MicrobatchPlanner
 
 torch.set_num_threads(1)
 

@@ -10,10 +10,10 @@ import time
 
 import torch
 
-from lightning_recover.runtime import lifecycle
 from lightning_recover.comm.communicator import FaultTolerantComm
 from lightning_recover.comm.interface import PeerFailure
 from lightning_recover.comm.topology import RankLayout
+from lightning_recover.runtime import lifecycle
 
 torch.set_num_threads(1)
 

@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from lightning_recover.runtime import lifecycle
 from lightning_recover.comm.replica_plane import MPIAllGather, MPIReduceScatter, ReplicaPlaneError
+from lightning_recover.runtime import lifecycle
 
 torch.set_num_threads(1)
 
