@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_recover.callbacks import resolve_ckpt_path
 from lightning_recover.audit.ledger import check_ledger, read_ledger
+from lightning_recover.callbacks import resolve_ckpt_path
 from harness.mpirun import MPIJob, run_mpi
 
 pytestmark = pytest.mark.mpi
