@@ -19,7 +19,7 @@ Each simulated rank runs in its own thread (:meth:`FakeWorld.run`) and talks thr
   agrees on the result and advances ``world_epoch`` by one; a death inside it costs
   another round;
 * the replica-consistency gate: a rank whose replica lost a member leaves (a
-  :class:`RankDeath`) at its next communicator call, or as soon as it notices the failure.
+  :class:`~lightning_recover.testing.fake_faults.RankDeath`) at its next communicator call, or as soon as it notices the failure.
 
 Hot re-join, as Spawn + Merge do it in ULFM: :meth:`FakeWorld.spawn` starts a replacement
 for a lost replica (its ranks again, next incarnation: ``FakeComm.life``) in new threads of
@@ -32,7 +32,7 @@ advances ``world_epoch``. A joiner ready in the middle of a
 step therefore waits for the next boundary. A member dead at the merge makes it fail the
 same way everywhere (:class:`PeerFailure`, nobody admitted): repair, then merge again.
 
-Failures are scripted with :class:`Kill` (before or in the middle of a bucket of a
+Failures are scripted with :class:`~lightning_recover.testing.fake_faults.Kill` (before or in the middle of a bucket of a
 reduction or of a world allreduce, at an agreement, inside a repair, entering a merge or,
 for a replacement, entering join: a death during start-up) or raised from a
 rank's own code with :meth:`FakeComm.die` (like fault injection's SIGKILL in a
@@ -42,6 +42,12 @@ exception in a rank is a crash, a death like any other (as ``install_crash_hook`
 in production). Every wait has a deadline: a protocol that would hang fails with an
 ``AssertionError`` starting "deadlock in FakeWorld" instead.
 
+Where it lives: :mod:`lightning_recover.testing.fake_rendezvous` keeps these semantics (the
+lock, memberships, deaths, the rendezvous), :mod:`lightning_recover.testing.fake_faults` the
+failure script (:class:`~lightning_recover.testing.fake_faults.Kill`) and how a rank ends
+(:class:`~lightning_recover.testing.fake_faults.Died`); this module the world's threads and
+each rank's communicator.
+
 Uses torch and threads; no MPI, no Lightning.
 """
 
@@ -50,91 +56,24 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import torch
 
 from lightning_recover.comm.buckets import ReduceHandle, plan_buckets
-from lightning_recover.comm.interface import PeerFailure, RepairResult
+from lightning_recover.comm.interface import RepairResult
 from lightning_recover.comm.topology import RankLayout
+from lightning_recover.testing.fake_faults import Died, Kill, RankDeath
+from lightning_recover.testing.fake_rendezvous import Rendezvous
 
-__all__ = ["Admission", "Died", "FakeComm", "FakeWorld", "Kill", "Merged", "RankDeath", "KILL_POINTS"]
+__all__ = ["Admission", "FakeComm", "FakeWorld", "Merged"]
 
 R = TypeVar("R")
 
-#: Where a :class:`Kill` can strike (see its docstring).
-KILL_POINTS = ("bucket", "world", "agree", "repair", "merge", "join")
 # MPI has no 16-bit sum; the real communicator widens them to fp32, so the fake does too.
 _WIDEN = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 _SUMMABLE = {torch.float32, torch.float64, torch.int32, torch.int64, *_WIDEN}
-
-
-@dataclass(frozen=True)
-class Died:
-    """How a simulated rank ended: ``killed`` (scripted), ``gate`` (its replica lost a member) or ``crashed``."""
-
-    rank: int
-    how: str
-    where: str
-    error: BaseException | None = field(default=None, compare=False)
-    #: Which incarnation of the rank: 0 the original, n its n-th replacement (FakeWorld.spawn).
-    life: int = 0
-
-
-class RankDeath(BaseException):
-    """Unwinds a simulated rank's thread: it was killed or left through the gate.
-
-    A ``BaseException`` like the SIGKILL it stands for: ``except Exception`` in the code
-    under test does not catch it.
-    """
-
-    def __init__(self, died: Died) -> None:
-        self.died = died
-        super().__init__(f"rank {died.rank} {died.how}: {died.where}")
-
-
-@dataclass(frozen=True)
-class Kill:
-    """Kill ``rank`` at a point of its own communicator calls (each kind counted per rank, from 1).
-
-    ``at="bucket"``: before bucket ``bucket`` of its ``call``-th reduction across replicas
-    (one per reduction round: a repair's re-reduce is the next call). ``at="world"``:
-    before its ``call``-th allreduce across the world (the engine's loss reduction, or a
-    collective between steps). ``at="agree"``: entering its ``call``-th agreement, before
-    it contributes. ``at="repair"``: inside its ``call``-th repair, in round ``round``,
-    after the shrink and before the agreement (the real communicator's
-    ``fault_hook("repair:shrunk")``). ``at="merge"``: entering its ``call``-th merge.
-    ``at="join"``: a replacement entering join, before it is ready (a death in start-up).
-    ``life`` picks the incarnation of ``rank`` (0 the original, 1 its first replacement, ...).
-
-    ``mid=True`` (``bucket`` and ``world`` only): the rank dies *during* that collective,
-    after its data went in: the ranks below it get the sum, the others PeerFailure, as
-    when a real allreduce breaks after part of the world has its result.
-    """
-
-    rank: int
-    at: str
-    call: int = 1
-    bucket: int = 0
-    round: int = 1
-    mid: bool = False
-    life: int = 0
-
-    def __post_init__(self) -> None:
-        if self.at not in KILL_POINTS:
-            raise ValueError(f"Kill.at must be one of {', '.join(KILL_POINTS)}, got {self.at!r}")
-        for name in ("call", "round"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"Kill.{name} counts from 1, got {getattr(self, name)}")
-        if self.bucket < 0:
-            raise ValueError(f"Kill.bucket is a bucket index (>= 0), got {self.bucket}")
-        if self.mid and self.at not in ("bucket", "world"):
-            raise ValueError(f"Kill.mid applies to a reduction (at='bucket' or 'world'), not at={self.at!r}")
-        if self.life < 0:
-            raise ValueError(f"Kill.life is an incarnation (0 the original rank), got {self.life}")
-        if self.at == "join" and self.life == 0:
-            raise ValueError("Kill(at='join') strikes a replacement: give life >= 1 (the original ranks never join)")
 
 
 @dataclass(frozen=True)
@@ -159,20 +98,7 @@ class Admission:
     waited_s: float
 
 
-@dataclass
-class _Op:
-    """One rendezvous: who takes part, what each gave, and (once complete) the one result all read."""
-
-    members: tuple[int, ...]
-    tag: tuple[Any, ...]
-    inputs: dict[int, Any] = field(default_factory=dict)
-    done: bool = False
-    result: Any = None
-    #: Set when a member died mid-collective: only these ranks get the result.
-    lucky: frozenset[int] | None = None
-
-
-class FakeWorld:
+class FakeWorld(Rendezvous):
     """``replicas`` x ``shards`` simulated ranks in one process (see the module docstring)."""
 
     def __init__(
@@ -190,24 +116,11 @@ class FakeWorld:
             raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
         if timeout <= 0:
             raise ValueError(f"timeout is seconds to wait for peers, got {timeout}")
-        self.layout = RankLayout(replicas * shards, shards)
+        super().__init__(RankLayout(replicas * shards, shards), timeout)
         self.bucket_numel = bucket_numel
-        self.timeout = timeout
-        # One lock for the whole world: every decision (completion, death, revoke) is made
-        # under it, which is what makes answers such as agree's uniform.
-        self._cv = threading.Condition()
-        self._members: dict[int, tuple[int, ...]] = {0: tuple(range(self.layout.world_size))}
-        self._revoked: set[int] = set()
-        self._dead: dict[int, Died] = {}
-        self._ops: dict[tuple[Any, ...], _Op] = {}
         self._kills: list[Kill] = []
         self.fired: list[Kill] = []
         self._comms = {r: FakeComm(self, r) for r in range(self.layout.world_size)}
-        #: Every death so far, earlier incarnations of respawned ranks included, in order.
-        self.deaths: list[Died] = []
-        # Re-join: replacement ranks ready in join(), and the admissions merges decided.
-        self._ready: set[int] = set()
-        self._admitted: dict[int, tuple[int, tuple[int, ...], tuple[int, ...], Any]] = {}
         self._requests: set[Hashable] = set()
         # Threads of the current run(); spawn() adds to it.
         self._threads: list[tuple[FakeComm, threading.Thread]] = []
@@ -246,12 +159,6 @@ class FakeWorld:
             return tuple(
                 p for p in range(self.layout.replicas) if all(r in self._ready for r in self.layout.ranks_of_replica(p))
             )
-
-    @property
-    def dead(self) -> dict[int, Died]:
-        """Ranks that died so far, and how."""
-        with self._cv:
-            return dict(self._dead)
 
     def run(
         self, fn: Callable[[FakeComm], R], *, timeout: float | None = None, raise_errors: bool = True
@@ -355,23 +262,7 @@ class FakeWorld:
             self._cv.notify_all()
         return True
 
-    # ------------------------------------------------------------------ deaths
-    def _describe_dead(self) -> str:
-        return ", ".join(f"{d.rank} ({d.how}: {d.where})" for d in self.dead.values()) or "none"
-
-    def _mark_dead(self, died: Died) -> None:
-        with self._cv:
-            if died.rank not in self._dead:
-                self._dead[died.rank] = died
-                self.deaths.append(died)
-                self._ready.discard(died.rank)
-            self._cv.notify_all()
-
-    def _die(self, comm: FakeComm, how: str, where: str) -> NoReturn:
-        died = Died(comm.rank, how, where, life=comm.life)
-        self._mark_dead(died)
-        raise RankDeath(died)
-
+    # ------------------------------------------------------------------ entering a call, scripted kills
     def _enter(self, comm: FakeComm, what: str) -> None:
         """Every communicator call starts here: a dead rank never acts again; the gate applies."""
         with self._cv:
@@ -380,12 +271,6 @@ class FakeWorld:
             if self._comms[comm.rank] is not comm:
                 raise RankDeath(Died(comm.rank, "killed", f"{what}: incarnation {comm.life} was replaced", life=comm.life))
             self._gate(comm, f"entering {what}")
-
-    def _gate(self, comm: FakeComm, reason: str) -> None:
-        mates = set(self.layout.ranks_of_replica(comm.replica)) - {comm.rank}
-        lost = sorted(mates.intersection(self._dead))
-        if lost:
-            self._die(comm, "gate", f"{reason}: replica {comm.replica} lost rank(s) {lost}")
 
     def _due(self, comm: FakeComm, at: str, call: int, *, bucket: int = 0, repair_round: int = 1) -> Kill | None:
         """The scripted kill due at this point, if any (marked fired)."""
@@ -403,143 +288,6 @@ class FakeWorld:
         k = self._due(comm, at, call, bucket=bucket, repair_round=repair_round)
         if k is not None:
             self._die(comm, "killed", f"scripted {k}")
-
-    def _failure(self, comm: FakeComm, epoch: int, where: str) -> PeerFailure:
-        """What a rank sees when a collective of ``epoch`` fails: the gate first, then PeerFailure."""
-        self._revoked.add(epoch)
-        self._cv.notify_all()
-        self._gate(comm, f"failure seen during {where}")
-        known = [r for r in self._members[epoch] if r in self._dead]
-        return PeerFailure(known, where)
-
-    # ------------------------------------------------------------------ rendezvous
-    def _op(self, key: tuple[Any, ...], members: tuple[int, ...], tag: tuple[Any, ...], rank: int) -> _Op:
-        op = self._ops.setdefault(key, _Op(members, tag))
-        if op.tag != tag or op.members != members:
-            raise AssertionError(
-                f"SPMD mismatch in FakeWorld at {key}: rank {rank} called {tag} over {members}, "
-                f"but ranks {sorted(op.inputs)} called {op.tag} over {op.members}"
-            )
-        return op
-
-    def _wait(self, deadline: float, comm: FakeComm, key: tuple[Any, ...], op: _Op) -> None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            missing = [m for m in op.members if m not in op.inputs]
-            raise AssertionError(
-                f"deadlock in FakeWorld: rank {comm.rank} waited {self.timeout:.1f}s in {op.tag} "
-                f"(key {key}) for ranks {missing}, which are alive and never came; dead: {self._describe_dead()}"
-            )
-        self._cv.wait(min(left, 0.5))
-
-    def _reduce(
-        self,
-        comm: FakeComm,
-        key: tuple[Any, ...],
-        members: tuple[int, ...],
-        tag: tuple[Any, ...],
-        where: str,
-        data: list[torch.Tensor],
-        dying: Kill | None = None,
-    ) -> list[torch.Tensor]:
-        """A plain (not fault-tolerant) collective: SUM of ``data`` over ``members``, or PeerFailure.
-
-        With ``dying`` this rank contributes and then dies inside the collective.
-        """
-        epoch = key[0]
-        with self._cv:
-            if epoch in self._revoked:
-                if dying is not None:
-                    self._die(comm, "killed", f"scripted {dying} (the collective was already revoked)")
-                raise self._failure(comm, epoch, where)
-            op = self._op(key, members, tag, comm.rank)
-            op.inputs[comm.rank] = data
-            if dying is not None:
-                op.lucky = frozenset(m for m in members if m < comm.rank)
-            if len(op.inputs) == len(members):
-                # Member order, so every rank gets the same bits.
-                op.result = [sum(op.inputs[m][j] for m in members) for j in range(len(data))]
-                op.done = True
-                self._cv.notify_all()
-            if dying is not None:
-                self._die(comm, "killed", f"scripted {dying}")
-            deadline = time.monotonic() + self.timeout
-            while True:
-                if op.done:
-                    if op.lucky is not None and comm.rank not in op.lucky:
-                        raise self._failure(comm, epoch, where)
-                    return [t.clone() for t in op.result]
-                if epoch in self._revoked or any(m in self._dead and m not in op.inputs for m in members):
-                    raise self._failure(comm, epoch, where)
-                self._wait(deadline, comm, key, op)
-
-    def _gather_ft(
-        self, comm: FakeComm, key: tuple[Any, ...], members: tuple[int, ...], value: Any
-    ) -> tuple[dict[int, Any], tuple[int, ...]]:
-        """A fault-tolerant rendezvous (agree, shrink): completes once every member gave or died.
-
-        Returns what the contributors gave and the members dead at completion, computed
-        once and read by everyone.
-        """
-        with self._cv:
-            op = self._op(key, members, key[1:2], comm.rank)
-            op.inputs[comm.rank] = value
-            deadline = time.monotonic() + self.timeout
-            while True:
-                if not op.done and all(m in op.inputs or m in self._dead for m in members):
-                    op.result = (dict(op.inputs), tuple(m for m in members if m in self._dead))
-                    op.done = True
-                    self._cv.notify_all()
-                if op.done:
-                    return op.result  # type: ignore[no-any-return]
-                self._wait(deadline, comm, key, op)
-
-    def _merge(
-        self, comm: FakeComm, key: tuple[Any, ...], members: tuple[int, ...], payload: Any, wait_for: tuple[int, ...]
-    ) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-        """The survivors' side of a merge (fault tolerant, decided once under the lock).
-
-        Completes when every member gave or died and every replica in ``wait_for`` is
-        ready or dead. Returns (joined replicas, new members), or None when a member died.
-        """
-        epoch = key[0]
-        with self._cv:
-            op = self._op(key, members, ("merge", wait_for), comm.rank)
-            op.inputs[comm.rank] = payload
-            self._cv.notify_all()
-            deadline = time.monotonic() + self.timeout
-            while True:
-                if not op.done and all(m in op.inputs or m in self._dead for m in members) and all(
-                    all(r in self._ready or r in self._dead for r in self.layout.ranks_of_replica(p)) for p in wait_for
-                ):
-                    if any(m in self._dead for m in members):
-                        op.result = None
-                    else:
-                        joined = tuple(
-                            p
-                            for p in range(self.layout.replicas)
-                            if all(r in self._ready for r in self.layout.ranks_of_replica(p))
-                        )
-                        new = tuple(sorted({*members, *(r for p in joined for r in self.layout.ranks_of_replica(p))}))
-                        alive = tuple(sorted({self.layout.replica_of(r) for r in new}))
-                        if joined:
-                            if self._members.setdefault(epoch + 1, new) != new:
-                                raise AssertionError(
-                                    f"FakeWorld bug: two memberships for world epoch {epoch + 1}: {self._members[epoch + 1]} and {new}"
-                                )
-                            # Shard by shard: each joiner rank gets the state of the lowest member holding its shard.
-                            for p in joined:
-                                for r in self.layout.ranks_of_replica(p):
-                                    shard = self.layout.shard_of(r)
-                                    given = op.inputs[min(m for m in members if self.layout.shard_of(m) == shard)]
-                                    self._ready.discard(r)
-                                    self._admitted[r] = (epoch + 1, joined, alive, given)
-                        op.result = (joined, new)
-                    op.done = True
-                    self._cv.notify_all()
-                if op.done:
-                    return op.result  # type: ignore[no-any-return]
-                self._wait(deadline, comm, key, op)
 
 
 class FakeComm:

@@ -33,7 +33,8 @@ from lightning_recover.comm.interface import RepairResult
 from lightning_recover.recovery.engine import Probes, StepEngine
 from lightning_recover.recovery.hooks import dispatcher
 from lightning_recover.recovery.state import StepState
-from lightning_recover.testing.fake import Died, FakeComm, FakeWorld, Kill
+from lightning_recover.testing.fake import FakeComm, FakeWorld
+from lightning_recover.testing.fake_faults import Died, Kill
 from lightning_recover.workload.policy import TooFewReplicasError, make_policy
 
 # The simulated gradients and losses, shared with test_engine_join.py so the two suites compare.

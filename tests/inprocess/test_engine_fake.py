@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from lightning_recover.comm.interface import PeerFailure, RepairResult
-from lightning_recover.testing.fake import Died, FakeComm, FakeWorld, Kill, RankDeath
+from lightning_recover.testing.fake import FakeComm, FakeWorld
+from lightning_recover.testing.fake_faults import Died, Kill, RankDeath
 
 
 def values(comm: FakeComm, n: int = 7, dtype: torch.dtype = torch.float64) -> torch.Tensor:

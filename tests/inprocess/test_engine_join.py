@@ -33,7 +33,8 @@ from lightning_recover.comm.interface import PeerFailure
 from lightning_recover.recovery.engine import StepEngine
 from lightning_recover.recovery.hooks import RecoveryHooks, dispatcher
 from lightning_recover.recovery.state import Join
-from lightning_recover.testing.fake import FakeComm, FakeWorld, Kill
+from lightning_recover.testing.fake import FakeComm, FakeWorld
+from lightning_recover.testing.fake_faults import Kill
 from lightning_recover.workload.policy import WorkloadPolicy, make_policy
 
 # The same simulated gradients and losses as the step-engine suite (test_engine.py), so the two compare.
