@@ -570,7 +570,8 @@ def host_campaign(
     runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, n_hosts: int, hangs: bool = True
 ) -> list[Outcome]:
     """``--hosts N``: the campaign on N fake hosts built once (module docstring)."""
-    from lightning_recover.testing.fake_cluster import FakeCluster, cleanup_stale
+    from lightning_recover.testing.fake_cluster import FakeCluster
+    from lightning_recover.testing.fake_netns import cleanup_stale
     from lightning_recover.testing.host_faults import HostFaultHarness
 
     rng = random.Random(seed)

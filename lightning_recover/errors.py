@@ -79,8 +79,8 @@ ERRORS: dict[str, ErrorFate] = {
         "user", "a ledger file is not the strategy's (check-ledger and report): the message names the line"),
     "lightning_recover.audit.report:ReportError": ErrorFate(
         "user", "lightning-recover report cannot read its input: the message names it"),
-    "lightning_recover.testing.fake_cluster:MissingCapability": ErrorFate(
+    "lightning_recover.testing.fake_netns:MissingCapability": ErrorFate(
         "test", "fake hosts need root, iproute2 and util-linux: the message names what is missing"),
-    "lightning_recover.testing.fake_cluster:FakeClusterError": ErrorFate(
+    "lightning_recover.testing.fake_netns:FakeClusterError": ErrorFate(
         "test", "a fake-host operation failed (the message holds the command and its output)"),
 }

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from lightning_recover.testing.fake_cluster import FakeCluster, cleanup_stale
+from lightning_recover.testing.fake_cluster import FakeCluster
+from lightning_recover.testing.fake_netns import cleanup_stale
 
 HERE = Path(__file__).resolve().parent
 # The harness package (tests/harness: launched jobs, Slurm, fake-host probes) and the worker

@@ -2,13 +2,17 @@
 
 Role: test support (the launched fake-host tests, the chaos campaign's ``--hosts N``). Needs
 root, ``ip`` (iproute2), ``unshare``, ``nsenter`` and ``setsid`` (util-linux); a missing one
-is a :class:`MissingCapability` naming it, never a silent skip.
+is a :class:`~lightning_recover.testing.fake_netns.MissingCapability` naming it, never a silent skip.
+The machine's side of it (unique names, subnet claims, namespaces and their processes,
+cleanup) is :mod:`lightning_recover.testing.fake_netns`; this module builds the hosts, runs
+the launcher across them and applies the host faults.
 
 What a fake host is
     A network namespace with one veth whose other end is a port of a bridge. The bridge
     lives in a namespace of its own (the *switch*), so no address, route or link of the
     machine's own network is touched: all traffic stays on a private ``10.77.K.0/24``
-    (``K`` claimed free among concurrent instances under :data:`CLAIMS`). Each host has
+    (``K`` claimed free among concurrent instances under
+    :data:`~lightning_recover.testing.fake_netns.CLAIMS`). Each host has
     ``/etc/netns/<host>/hosts`` naming every host by its private address -- its own name
     too, not ``127.0.1.1``, unless ``own_name_loopback=True`` asks for the Debian default
     (its own name on ``127.0.1.1``, the others on their addresses). An *anchor* process per
@@ -42,7 +46,8 @@ Use::
 Teardown (on ``__exit__``, at interpreter exit, on SIGTERM, and from the fixture's
 finalizer) always kills every process of every namespace by pid, then deletes the
 namespaces (and with them the veths and the bridge), the ``/etc/netns`` entries and the
-subnet claim. :func:`cleanup_stale` removes what an instance whose process died left.
+subnet claim. :func:`~lightning_recover.testing.fake_netns.cleanup_stale` removes what an
+instance whose process died left.
 """
 
 from __future__ import annotations
@@ -57,186 +62,30 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 
-from lightning_recover.errors import RecoverError
+from lightning_recover.testing.fake_netns import (
+    SUBNET_BASE,
+    FakeClusterError,
+    check_capabilities,
+    claim_subnet,
+    comm_of,
+    delete_instance_names,
+    environ_of,
+    kill_namespace_processes,
+    netns_list,
+    netns_pids,
+    new_prefix,
+    run_command,
+    signal_all,
+    state_of,
+)
 
-#: Every name an instance creates (namespaces, links, ``/etc/netns`` entries) starts with this.
-NAME_ROOT = "lrfc"
-#: Subnet claims of live instances (one file per claimed ``10.77.K.0/24``, holding the owner's prefix).
-CLAIMS = Path("/run/lightning-recover-fake-cluster")
-#: First two octets of every fake subnet.
-SUBNET_BASE = "10.77"
 #: Open MPI's runtime processes (never counted as ranks).
 RUNTIME = {"mpiexec", "mpirun", "prterun", "prte", "prted"}
-
-_PID_DIGITS = 5  # base-36 digits of the owner pid in a prefix: 36**5 > 2**22 (Linux's pid_max cap)
-_sequence = 0
-_sequence_lock = threading.Lock()
-
-
-class MissingCapability(RecoverError, RuntimeError):
-    """The machine cannot build fake hosts (not root, or a tool is missing); the message names it."""
-
-
-class FakeClusterError(RecoverError, RuntimeError):
-    """A fake-cluster operation failed; the message names the command and its output."""
-
-
-def _b36(value: int, width: int) -> str:
-    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
-    out = ""
-    while value:
-        value, d = divmod(value, 36)
-        out = digits[d] + out
-    return out.rjust(width, "0")
-
-
-def _owner_pid(prefix: str) -> int | None:
-    """The pid of the process that created ``prefix`` (see :func:`new_prefix`), or None if it is not one of ours."""
-    if not prefix.startswith(NAME_ROOT) or len(prefix) < len(NAME_ROOT) + _PID_DIGITS + 1:
-        return None
-    try:
-        return int(prefix[len(NAME_ROOT) : len(NAME_ROOT) + _PID_DIGITS], 36)
-    except ValueError:
-        return None
-
-
-def new_prefix() -> str:
-    """A name prefix unique to this process and instance: ``lrfc`` + owner pid (5 base-36 digits) + a sequence letter.
-
-    10 characters, so every link name built on it stays within Linux's 15."""
-    global _sequence
-    with _sequence_lock:
-        seq, _sequence = _sequence, _sequence + 1
-    return f"{NAME_ROOT}{_b36(os.getpid(), _PID_DIGITS)}{_b36(seq % 36, 1)}"
-
-
-def check_capabilities() -> None:
-    """Raise :class:`MissingCapability` naming everything missing to build fake hosts."""
-    missing = []
-    if os.geteuid() != 0:
-        missing.append(f"root (running as uid {os.geteuid()}; network namespaces need CAP_SYS_ADMIN and CAP_NET_ADMIN: run as root)")
-    for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("nsenter", "util-linux"), ("setsid", "util-linux")):
-        if shutil.which(tool) is None:
-            missing.append(f"the '{tool}' command (install {package})")
-    if missing:
-        raise MissingCapability("fake hosts cannot be built here: missing " + "; ".join(missing))
-
-
-def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 20) -> subprocess.CompletedProcess[str]:
-    try:
-        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        raise FakeClusterError(f"{shlex.join(argv)} did not return in {timeout}s") from exc
-    if check and proc.returncode != 0:
-        raise FakeClusterError(f"{shlex.join(argv)} failed with status {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
-    return proc
-
-
-def netns_list() -> list[str]:
-    """Names of the machine's network namespaces (``ip netns list``)."""
-    out = _run(["ip", "netns", "list"]).stdout
-    return [line.split()[0] for line in out.splitlines() if line.strip()]
-
-
-def netns_pids(netns: str) -> list[int]:
-    """Processes in ``netns`` (``ip netns pids``); empty when the namespace is gone."""
-    proc = _run(["ip", "netns", "pids", netns], check=False)
-    return [int(p) for p in proc.stdout.split()] if proc.returncode == 0 else []
-
-
-def _kill_namespace_processes(netns: str, deadline_s: float = 10.0) -> None:
-    """SIGKILL every process in ``netns`` (SIGCONT first, for stopped ones) until none is left: a
-    process may fork while we kill, so this loops; zombies hold no namespace and are not listed."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        pids = [p for p in netns_pids(netns) if p != os.getpid()]
-        if not pids:
-            return
-        for pid in pids:
-            for sig in (signal.SIGKILL, signal.SIGCONT):
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        if time.monotonic() > deadline:
-            raise FakeClusterError(f"processes {pids} in namespace {netns} survived SIGKILL for {deadline_s}s")
-        time.sleep(0.05)
-
-
-def _delete_instance_names(prefix: str) -> None:
-    """Kill the processes of, and delete, every namespace and /etc/netns entry named ``prefix*``."""
-    for ns in netns_list():
-        if ns.startswith(prefix):
-            _kill_namespace_processes(ns)
-            _run(["ip", "netns", "del", ns], check=False)
-    etc = Path("/etc/netns")
-    if etc.is_dir():
-        for entry in etc.iterdir():
-            if entry.name.startswith(prefix):
-                shutil.rmtree(entry, ignore_errors=True)
-    if CLAIMS.is_dir():
-        for claim in CLAIMS.iterdir():
-            try:
-                if claim.read_text().strip() == prefix:
-                    claim.unlink()
-            except OSError:
-                pass
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def cleanup_stale() -> list[str]:
-    """Remove what instances whose owner process is gone left behind (a SIGKILLed test run); returns their prefixes."""
-    prefixes = {ns[: len(NAME_ROOT) + _PID_DIGITS + 1] for ns in netns_list() if ns.startswith(NAME_ROOT)}
-    etc = Path("/etc/netns")
-    if etc.is_dir():
-        prefixes |= {e.name[: len(NAME_ROOT) + _PID_DIGITS + 1] for e in etc.iterdir() if e.name.startswith(NAME_ROOT)}
-    if CLAIMS.is_dir():
-        for claim in CLAIMS.iterdir():
-            try:
-                prefixes.add(claim.read_text().strip())
-            except OSError:
-                pass
-    stale = sorted(p for p in prefixes if (owner := _owner_pid(p)) is not None and not _alive(owner))
-    for prefix in stale:
-        _delete_instance_names(prefix)
-    return stale
-
-
-def _claim_subnet(prefix: str) -> int:
-    """Claim a free ``K`` for ``10.77.K.0/24`` (an exclusive file under :data:`CLAIMS`); reclaims those of dead owners."""
-    CLAIMS.mkdir(parents=True, exist_ok=True)
-    for k in range(256):
-        path = CLAIMS / f"subnet-{k}"
-        for _ in range(2):
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    owner = _owner_pid(path.read_text().strip())
-                except OSError:
-                    owner = None
-                if owner is not None and not _alive(owner):
-                    path.unlink(missing_ok=True)  # a dead instance's claim: take it over
-                    continue
-                break
-            with os.fdopen(fd, "w") as f:
-                f.write(prefix + "\n")
-            return k
-    raise FakeClusterError(f"no free subnet {SUBNET_BASE}.K.0/24 (all 256 claimed under {CLAIMS}); run cleanup_stale() or remove stale claims")
 
 
 @dataclass(frozen=True)
@@ -382,22 +231,22 @@ class FakeCluster:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def _build(self) -> None:
-        self.subnet_k = _claim_subnet(self.prefix)
+        self.subnet_k = claim_subnet(self.prefix)
         self.workdir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-"))
         self.hosts = tuple(
             FakeHost(f"{self.prefix}n{i}", f"{SUBNET_BASE}.{self.subnet_k}.{i + 1}", f"{self.prefix}p{i}", f"{self.prefix}e{i}") for i in range(self.n_hosts)
         )
-        _run(["ip", "netns", "add", self.switch])
-        _run(["ip", "-n", self.switch, "link", "add", self.bridge, "type", "bridge"])
-        _run(["ip", "-n", self.switch, "link", "set", self.bridge, "up"])
+        run_command(["ip", "netns", "add", self.switch])
+        run_command(["ip", "-n", self.switch, "link", "add", self.bridge, "type", "bridge"])
+        run_command(["ip", "-n", self.switch, "link", "set", self.bridge, "up"])
         for h in self.hosts:
-            _run(["ip", "netns", "add", h.name])
+            run_command(["ip", "netns", "add", h.name])
             # Created in the switch namespace with its host end moved straight into the host: never in the machine's namespace.
-            _run(["ip", "-n", self.switch, "link", "add", h.port, "type", "veth", "peer", "name", h.iface, "netns", h.name])
-            _run(["ip", "-n", self.switch, "link", "set", h.port, "master", self.bridge, "up"])
-            _run(["ip", "-n", h.name, "addr", "add", f"{h.address}/24", "dev", h.iface])
-            _run(["ip", "-n", h.name, "link", "set", h.iface, "up"])
-            _run(["ip", "-n", h.name, "link", "set", "lo", "up"])
+            run_command(["ip", "-n", self.switch, "link", "add", h.port, "type", "veth", "peer", "name", h.iface, "netns", h.name])
+            run_command(["ip", "-n", self.switch, "link", "set", h.port, "master", self.bridge, "up"])
+            run_command(["ip", "-n", h.name, "addr", "add", f"{h.address}/24", "dev", h.iface])
+            run_command(["ip", "-n", h.name, "link", "set", h.iface, "up"])
+            run_command(["ip", "-n", h.name, "link", "set", "lo", "up"])
             self._write_hosts_file(h)
         for h in self.hosts:
             self._start_anchor(h)
@@ -448,7 +297,7 @@ class FakeCluster:
         errors = []
         for ns in [h.name for h in self.hosts] + [self.switch]:
             try:
-                _kill_namespace_processes(ns)
+                kill_namespace_processes(ns)
             except FakeClusterError as exc:
                 errors.append(str(exc))
         for proc in self._anchors.values():
@@ -460,10 +309,10 @@ class FakeCluster:
                 proc.stderr.close()
         for ns in [h.name for h in self.hosts] + [self.switch]:
             if ns in netns_list():
-                proc = _run(["ip", "netns", "del", ns], check=False)
+                proc = run_command(["ip", "netns", "del", ns], check=False)
                 if proc.returncode != 0:
                     errors.append(f"ip netns del {ns}: {proc.stderr.strip()}")
-        _delete_instance_names(self.prefix)  # anything else named after this instance, and the claim
+        delete_instance_names(self.prefix)  # anything else named after this instance, and the claim
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
         try:
@@ -490,7 +339,7 @@ class FakeCluster:
 
     def run(self, host: FakeHost | str | int, argv: Sequence[str], *, timeout: float = 30, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run ``argv`` inside ``host`` and wait for it."""
-        return _run(self.enter_argv(host) + list(argv), check=check, timeout=timeout)
+        return run_command(self.enter_argv(host) + list(argv), check=check, timeout=timeout)
 
     def mpi_args(self, *, map_by: str | None = None, slots: int | None = None, hosts: int | None = None) -> list[str]:
         """mpiexec arguments that place the job on the hosts (``slots`` per host; the first ``hosts`` hosts, default
@@ -615,14 +464,14 @@ class FakeCluster:
         for pid in self.processes(host):
             if anchor is not None and pid == anchor.pid:
                 continue
-            rank = _environ(pid).get("OMPI_COMM_WORLD_RANK")
-            if rank is not None and rank.isdigit() and _comm(pid) not in RUNTIME:
+            rank = environ_of(pid).get("OMPI_COMM_WORLD_RANK")
+            if rank is not None and rank.isdigit() and comm_of(pid) not in RUNTIME:
                 found[pid] = int(rank)
         return found
 
     def stopped_ranks(self, host: FakeHost | str | int) -> list[int]:
         """World ranks on ``host`` whose process is stopped (state T: SIGSTOP, e.g. a ``hang`` fault)."""
-        return sorted({rank for pid, rank in self.ranks(host).items() if _state(pid) in ("T", "t")})
+        return sorted({rank for pid, rank in self.ranks(host).items() if state_of(pid) in ("T", "t")})
 
     def wait_until(self, predicate: Callable[[], object], timeout: float, what: str) -> object:
         """Poll ``predicate`` every 50 ms until it returns something truthy; :class:`TimeoutError` naming ``what`` otherwise."""
@@ -639,7 +488,7 @@ class FakeCluster:
     def kill_ranks(self, host: FakeHost | str | int) -> list[int]:
         """SIGKILL every rank process on ``host`` at once; Open MPI's daemon there lives on. Returns the world ranks killed."""
         found = self.ranks(host)
-        _signal_all(found, signal.SIGKILL)
+        signal_all(found, signal.SIGKILL)
         return sorted(set(found.values()))
 
     def kill_host(self, host: FakeHost | str | int) -> list[int]:
@@ -651,7 +500,7 @@ class FakeCluster:
             self._down.add(h.name)
             if self.workdir is not None:
                 (self.workdir / f"{h.name}.pid").unlink(missing_ok=True)  # the agent now refuses it, like ssh to a dead node
-        _kill_namespace_processes(h.name)
+        kill_namespace_processes(h.name)
         return pids
 
     def revive(self, host: FakeHost | str | int) -> None:
@@ -674,23 +523,23 @@ class FakeCluster:
         a node whose sshd is stopped); :meth:`thaw` resumes them. Returns the pids stopped."""
         self._mark(host, "frozen", True)
         pids = self.processes(host)
-        _signal_all(pids, signal.SIGSTOP)
+        signal_all(pids, signal.SIGSTOP)
         return pids
 
     def thaw(self, host: FakeHost | str | int) -> None:
         """SIGCONT every process on ``host``."""
-        _signal_all(self.processes(host), signal.SIGCONT)
+        signal_all(self.processes(host), signal.SIGCONT)
         self._mark(host, "frozen", False)
 
     def partition(self, host: FakeHost | str | int) -> None:
         """Cut ``host`` off the network: its switch port goes down (the host keeps its address, routes and
         processes; the agent refuses it, as ssh would: no route to host)."""
         self._mark(host, "cut", True)
-        _run(["ip", "-n", self.switch, "link", "set", self.host(host).port, "down"])
+        run_command(["ip", "-n", self.switch, "link", "set", self.host(host).port, "down"])
 
     def heal(self, host: FakeHost | str | int) -> None:
         """Bring ``host``'s switch port back up."""
-        _run(["ip", "-n", self.switch, "link", "set", self.host(host).port, "up"])
+        run_command(["ip", "-n", self.switch, "link", "set", self.host(host).port, "up"])
         self._mark(host, "cut", False)
 
     def _mark(self, host: FakeHost | str | int, state: str, on: bool) -> None:
@@ -732,40 +581,3 @@ class FakeCluster:
                             os.kill(pid, sig)
                         except ProcessLookupError:
                             pass
-
-
-def _signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
-    """Send ``sig`` to each of ``pids``; one that is already gone is skipped."""
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def _environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    out = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            out[key.decode(errors="replace")] = value.decode(errors="replace")
-    return out
-
-
-def _comm(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _state(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat[stat.rindex(")") + 2 :].split()[0]

@@ -16,20 +16,21 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recover.testing import fake_cluster as fc
-from lightning_recover.testing.fake_cluster import FakeCluster, MissingCapability
+from lightning_recover.testing import fake_netns as netns
+from lightning_recover.testing.fake_cluster import FakeCluster
+from lightning_recover.testing.fake_netns import MissingCapability
 
 from harness.fake_hosts import reachable
 
 
 def leftovers(prefix: str) -> list[str]:
     """Everything named after ``prefix`` that still exists: namespaces, /etc/netns entries, subnet claims."""
-    found = [f"netns {ns}" for ns in fc.netns_list() if ns.startswith(prefix)]
+    found = [f"netns {ns}" for ns in netns.netns_list() if ns.startswith(prefix)]
     etc = Path("/etc/netns")
     if etc.is_dir():
         found += [f"/etc/netns/{e.name}" for e in etc.iterdir() if e.name.startswith(prefix)]
-    if fc.CLAIMS.is_dir():
-        found += [f"claim {c.name}" for c in fc.CLAIMS.iterdir() if c.read_text().strip() == prefix]
+    if netns.CLAIMS.is_dir():
+        found += [f"claim {c.name}" for c in netns.CLAIMS.iterdir() if c.read_text().strip() == prefix]
     return found
 
 
@@ -54,7 +55,7 @@ def test_hosts_have_own_names_addresses_and_shm_and_teardown_leaves_nothing() ->
         assert all(h.name.startswith(prefix) and h.port.startswith(prefix) and h.iface.startswith(prefix) for h in cluster.hosts)
         assert cluster.bridge.startswith(prefix) and cluster.switch.startswith(prefix)
         assert len({h.address for h in cluster.hosts}) == 3
-        assert all(h.address.startswith(f"{fc.SUBNET_BASE}.{cluster.subnet_k}.") for h in cluster.hosts)
+        assert all(h.address.startswith(f"{netns.SUBNET_BASE}.{cluster.subnet_k}.") for h in cluster.hosts)
         for i, h in enumerate(cluster.hosts):
             assert cluster.run(i, ["hostname"]).stdout.strip() == h.name
             # Every host resolves every host, its own name included, to the private address (not 127.0.1.1).
@@ -111,7 +112,7 @@ def test_kill_ranks_spares_the_daemon_and_kill_host_takes_everything() -> None:
         killed = cluster.kill_host(1)
         assert daemon.pid in killed and daemon.wait(timeout=5) == -signal.SIGKILL
         assert cluster.processes(1) == [] and alive(elsewhere.pid)
-        with pytest.raises(fc.FakeClusterError, match="is down"):
+        with pytest.raises(netns.FakeClusterError, match="is down"):
             cluster.enter_argv(1)
         # Open MPI's ssh stand-in refuses the lost host, as ssh to a dead node fails.
         refused = subprocess.run([str(cluster.agent), cluster.hosts[1].name, "true"], capture_output=True, text=True)
@@ -156,7 +157,7 @@ def test_freeze_and_thaw_stop_and_resume_every_process_of_a_host() -> None:
         frozen = cluster.freeze(1)
         assert set(frozen) == set(cluster.processes(1))
         assert cluster.stopped_ranks(1) == [3] and cluster.stopped_ranks(0) == []
-        assert fc._state(other.pid) == "S"
+        assert netns.state_of(other.pid) == "S"
         cluster.thaw(1)
         cluster.wait_until(lambda: cluster.stopped_ranks(1) == [], 5, "host 1 thawed")
 
@@ -203,7 +204,7 @@ def test_sigterm_tears_down_and_still_ends_the_process() -> None:
     child = _child("time.sleep(60)")
     assert child.stdout is not None
     prefix = child.stdout.readline().strip()
-    assert prefix.startswith(fc.NAME_ROOT) and leftovers(prefix)
+    assert prefix.startswith(netns.NAME_ROOT) and leftovers(prefix)
     child.send_signal(signal.SIGTERM)
     assert child.wait(timeout=30) == -signal.SIGTERM
     assert leftovers(prefix) == []
@@ -216,11 +217,11 @@ def test_cleanup_stale_removes_what_a_killed_owner_left() -> None:
     child.kill()  # SIGKILL: no teardown runs
     child.wait(timeout=10)
     assert leftovers(prefix)
-    assert prefix in fc.cleanup_stale()
+    assert prefix in netns.cleanup_stale()
     assert leftovers(prefix) == []
 
 
 def test_prefixes_fit_linux_link_names() -> None:
-    prefix = fc.new_prefix()
-    assert fc._owner_pid(prefix) == os.getpid()
+    prefix = netns.new_prefix()
+    assert netns._owner_pid(prefix) == os.getpid()
     assert len(prefix + "p99") <= 15  # IFNAMSIZ - 1
