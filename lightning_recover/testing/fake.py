@@ -19,7 +19,8 @@ Each simulated rank runs in its own thread (:meth:`FakeWorld.run`) and talks thr
   agrees on the result and advances ``world_epoch`` by one; a death inside it costs
   another round;
 * the replica-consistency gate: a rank whose replica lost a member leaves (a
-  :class:`~lightning_recover.testing.fake_faults.RankDeath`) at its next communicator call, or as soon as it notices the failure.
+  :class:`~lightning_recover.testing.fake_faults.RankDeath`) at its next communicator call,
+  or as soon as it notices the failure.
 
 Hot re-join, as Spawn + Merge do it in ULFM: :meth:`FakeWorld.spawn` starts a replacement
 for a lost replica (its ranks again, next incarnation: ``FakeComm.life``) in new threads of
@@ -32,10 +33,10 @@ advances ``world_epoch``. A joiner ready in the middle of a
 step therefore waits for the next boundary. A member dead at the merge makes it fail the
 same way everywhere (:class:`PeerFailure`, nobody admitted): repair, then merge again.
 
-Failures are scripted with :class:`~lightning_recover.testing.fake_faults.Kill` (before or in the middle of a bucket of a
-reduction or of a world allreduce, at an agreement, inside a repair, entering a merge or,
-for a replacement, entering join: a death during start-up) or raised from a
-rank's own code with :meth:`FakeComm.die` (like fault injection's SIGKILL in a
+Failures are scripted with :class:`~lightning_recover.testing.fake_faults.Kill` (before or in
+the middle of a bucket of a reduction or of a world allreduce, at an agreement, inside a
+repair, entering a merge or, for a replacement, entering join: a death during start-up) or
+raised from a rank's own code with :meth:`FakeComm.die` (like fault injection's SIGKILL in a
 microbatch). A death in the middle of a collective leaves part of the world with the
 result and the rest with PeerFailure, as in MPI; nothing may depend on which. An uncaught
 exception in a rank is a crash, a death like any other (as ``install_crash_hook`` makes it
