@@ -78,3 +78,35 @@ class EvaluationLoader:
                 res = comm.repair()
             self.repaired(res)
             plan.lose(res.lost_replicas, comm.alive_replicas)
+
+
+class EvaluationSteps:
+    """The strategy's validation, test and predict steps: a fault point per batch, guarded, counted.
+
+    ``probes()``: the job's probes (None before the job starts); ``guard(phase)``: the
+    strategy's ``replica_guard``, so a replica-mate's death ends this replica through the gate."""
+
+    def __init__(self, probes: Callable[[], Any], guard: Callable[[str], AbstractContextManager[None]]) -> None:
+        self._probes = probes
+        self._guard = guard
+        self._batches = 0
+        #: Inside an evaluation step: ranks evaluate different numbers of batches, so no lockstep collectives.
+        self.active = False
+
+    def start(self) -> None:
+        """A validation, test or predict loop starts: its batches count from 0."""
+        self._batches = 0
+
+    def run(self, phase: str, trainer: Any, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One evaluation batch of this rank's share (:class:`EvaluationLoader`)."""
+        probes = self._probes()
+        if probes is not None and not trainer.sanity_checking:
+            probes.fault_point(phase, step=trainer.global_step, microbatch=self._batches)
+            probes.tick()
+        self._batches += 1
+        self.active = True
+        try:
+            with self._guard(phase):
+                return step_fn(*args, **kwargs)
+        finally:
+            self.active = False

@@ -29,10 +29,10 @@ Loss convention: ``training_step`` returns the mean loss over its (shard's slice
 microbatch. The committed gradient is the mean over the step's B microbatches, exactly as
 a single process accumulating ``loss / B`` over the same B microbatches would get.
 """
+
 from __future__ import annotations
 
 import signal
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -49,33 +49,20 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_recover import _lightning, lifecycle, rejoin
-from lightning_recover.callbacks import (
-    BoundaryScheduler,
-    BufferSync,
-    CorruptionCheck,
-    EpochCheck,
-    ReductionBuffers,
-    fallback_checkpoint,
-)
-from lightning_recover.callbacks.checkpoint import is_fallback
-from lightning_recover.communicator import FaultTolerantComm
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.data import MicrobatchSource, StepTicket, TicketLoader
-from lightning_recover.ledger import LeaderLedger
-from lightning_recover.loading import EnginePlan, MicrobatchFeed
+from lightning_recover.loading import MicrobatchFeed
 from lightning_recover.membership import admission
-from lightning_recover.policy import WorkloadPolicy
 from lightning_recover.process_group import ProcessGroupULFM
-from lightning_recover.recovery.engine import StepEngine
-from lightning_recover.recovery.hooks import dispatcher
 from lightning_recover.recovery.job import JobHost, RecoveryJob
 from lightning_recover.slurm import refuse_direct_launch
 from lightning_recover.strategies import checkpoint_io, metrics
+from lightning_recover.strategies.checkpoints import Checkpoints
 from lightning_recover.strategies.environment import ReplicaEnvironment
-from lightning_recover.strategies.evaluation_loader import EvaluationLoader
-from lightning_recover.strategies.probes import StrategyProbes, install_progress_hooks
-from lightning_recover.strategies.replica_group import init_replica_group, is_comm_error
-from lightning_recover.strategies.replica_plane import resolve_replica_plane, use_replica_plane
+from lightning_recover.strategies.evaluation_loader import EvaluationLoader, EvaluationSteps
+from lightning_recover.strategies.probes import install_progress_hooks
+from lightning_recover.strategies.replica_group import is_comm_error
+from lightning_recover.strategies.replica_plane import use_replica_plane
 from lightning_recover.strategies.sharding import (
     is_sharded,
     local,
@@ -85,12 +72,13 @@ from lightning_recover.strategies.sharding import (
     shard_model,
 )
 from lightning_recover.strategies.step_logging import StepLogging
+from lightning_recover.strategies.train_loader import ticket_loader
+from lightning_recover.strategies.trainer_setup import DEFAULT_CALLBACKS, install_callbacks, job_host, validate_trainer
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-#: The protocol's own callbacks, installed when the user did not pass configured ones.
-DEFAULT_CALLBACKS = (ReductionBuffers, EpochCheck, BoundaryScheduler, BufferSync)
+__all__ = ["DEFAULT_CALLBACKS", "ReCoVerHSDPStrategy"]
 
 
 def _splittable(dataloader: object) -> bool:
@@ -159,9 +147,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.last_record: dict[str, Any] | None = None
         self._device_mesh: DeviceMesh | None = None
         self._logging = StepLogging(lambda: self.lightning_module)
-        #: Inside validation_step / test_step / predict_step (their batches differ in number across ranks).
-        self._evaluating_batch = False
-        self._eval_batches = 0
+        self._eval = EvaluationSteps(lambda: self.probes, self.replica_guard)
+        self._checkpoints = Checkpoints(self.job, self._protocol_state, self.replica_guard)
         # Whether FSDP2 reduce-scatters inside the replica on the next backward.
         self._syncing = True
         self._trainable: list[torch.nn.Parameter] = []
@@ -273,9 +260,17 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         return self.engine.faults_seen if self.engine is not None else 0
 
     @property
+    def evaluating_batch(self) -> bool:
+        """Inside validation_step / test_step / predict_step (their batches differ in number across ranks)."""
+        return self._eval.active
+
+    @property
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """The sharded trainable parameters, in a fixed order (the engine's gradients; set in ``setup``)."""
         return self._trainable
+
+    def _host(self, trainer: Trainer) -> JobHost:
+        return job_host(self, trainer, on_ranks=self._set_ranks, on_membership=self._on_membership)
 
     def _set_ranks(self) -> None:
         """Lightning's rank-zero gates follow this rank's place in the current world."""
@@ -295,48 +290,16 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
                 self.job.start_replacement(joining, self._host(trainer))
                 StepLogging.take_logger_versions(trainer, joining.seat.context.get("logger_versions", []))
         _lightning.no_distributed_sampler(trainer)
-        self._install_callbacks(trainer)
+        install_callbacks(trainer, self.config)
         super().setup_environment()
         if self._device_mesh is None:
             # After the accelerator selected this rank's device, which DeviceMesh would otherwise guess.
             self._device_mesh = replica_mesh(self.root_device.type, self.config.shards)
         _lightning.set_device_mesh(self.lightning_module, self._device_mesh)
 
-    def _host(self, trainer: Trainer) -> JobHost:
-        """What the job gets of Lightning: this trainer's callbacks, step and loggers, and the strategy's gates."""
-        return JobHost(
-            device_type=lambda: self.root_device.type,
-            devices=lambda: len(self.parallel_devices or ()),
-            callbacks=lambda: trainer.callbacks,
-            dispatch=dispatcher(lambda: trainer.callbacks, lambda: (trainer, self.lightning_module)),
-            make_probes=lambda rank, watchdog: StrategyProbes(rank, watchdog, lambda: trainer.callbacks),
-            step=lambda: trainer.global_step,
-            logger_versions=lambda: [getattr(lg, "version", None) for lg in self.lightning_module.trainer.loggers],  # type: ignore[union-attr]
-            evaluating=lambda: self._evaluating_batch,
-            on_ranks=self._set_ranks,
-            on_membership=self._on_membership,
-            resolve_replica_plane=resolve_replica_plane,
-            init_replica_group=init_replica_group,
-            end_of_job=self.shutdown,
-        )
-
-    def _install_callbacks(self, trainer: Trainer) -> None:
-        """The protocol's callbacks (unless the user configured their own) and the fallback checkpoint.
-
-        Runs in ``setup_environment``, before Lightning calls any callback's ``setup``."""
-        for cls in DEFAULT_CALLBACKS:
-            if not any(isinstance(c, cls) for c in trainer.callbacks):
-                trainer.callbacks.append(cls())
-        sdc = self.config.sdc
-        if sdc.enabled and not any(isinstance(c, CorruptionCheck) for c in trainer.callbacks):
-            trainer.callbacks.append(CorruptionCheck(sdc.every_n_steps, sdc.action))
-        ckpt = self.config.checkpoint
-        if ckpt.enabled and not any(is_fallback(c, ckpt.dir) for c in trainer.callbacks):  # type: ignore[arg-type]
-            trainer.callbacks.append(fallback_checkpoint(ckpt.dir, ckpt.every_n_steps))  # type: ignore[arg-type]
-
     @override
     def setup(self, trainer: Trainer) -> None:
-        self._validate_trainer(trainer)
+        validate_trainer(trainer, self.precision_plugin)
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
@@ -367,21 +330,6 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         )
         assert self.comm is not None and self.engine is not None and self.model is not None
         admission.sync_initial_state(self.job, [local(t.data) for t in [*self.model.parameters(), *self.model.buffers()]])
-
-    def _validate_trainer(self, trainer: Trainer) -> None:
-        if trainer.accumulate_grad_batches != 1:
-            raise ConfigurationError(
-                f"accumulate_grad_batches={trainer.accumulate_grad_batches}: ReCoVerHSDPStrategy accumulates itself; "
-                "remove accumulate_grad_batches from the Trainer and set grad_accum on the strategy (recover.grad_accum)"
-            )
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if scaler is not None:
-            raise ConfigurationError(
-                f"precision={trainer.precision!r} uses a GradScaler, whose skipped steps would desynchronise replicas; "
-                "use precision='bf16-mixed' or '32-true'"
-            )
-        if not self.lightning_module.automatic_optimization:  # type: ignore[union-attr]
-            raise ConfigurationError("ReCoVerHSDPStrategy needs automatic optimization (self.automatic_optimization = True)")
 
     @override
     def model_to_device(self) -> None:
@@ -415,22 +363,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             return EvaluationLoader(dataloader, self.comm, self.config.shards, self.engine.repaired, self.probes.waiting)  # type: ignore[arg-type]
         if trainer is None or not trainer.training or isinstance(dataloader, TicketLoader):
             return dataloader
-        assert self.policy is not None and self.comm is not None and self.engine is not None
-        self.data = data = MicrobatchSource(dataloader, self.policy.B, self.config.shards, self.comm.shard, self.config.seed)
-        if self.job.resumed is not None:
-            data.planner.load_state_dict(self.job.resumed["planner"])
-        if self.feed is not None:
-            self.feed.close()
-        # The user's loader settings (workers, pinning) load the planned microbatches ahead.
-        self.feed = feed = MicrobatchFeed(data, dataloader, EnginePlan(self.engine, lambda: data.planner.next_step))
-        steps, max_steps = data.steps_per_epoch(), trainer.max_steps
-
-        def start_epoch() -> None:
-            first = data.planner.next_step
-            end = first + steps if max_steps is None or max_steps < 0 else min(first + steps, max_steps)
-            feed.start_epoch(first, end)
-
-        return TicketLoader(steps, on_epoch=start_epoch)
+        self.data, self.feed, tickets = ticket_loader(dataloader, self.job, self.feed, trainer.max_steps)
+        return tickets
 
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
@@ -575,43 +509,29 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     @override
     def on_validation_start(self) -> None:
         lifecycle.die_on_sigterm()
-        self._eval_batches = 0
+        self._eval.start()
 
     @override
     def on_test_start(self) -> None:
         lifecycle.die_on_sigterm()
-        self._eval_batches = 0
+        self._eval.start()
 
     @override
     def on_predict_start(self) -> None:
         lifecycle.die_on_sigterm()
-        self._eval_batches = 0
+        self._eval.start()
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("validation", super().validation_step, *args, **kwargs)
+        return self._eval.run("validation", self.lightning_module.trainer, super().validation_step, *args, **kwargs)  # type: ignore[union-attr]
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("test", super().test_step, *args, **kwargs)
+        return self._eval.run("test", self.lightning_module.trainer, super().test_step, *args, **kwargs)  # type: ignore[union-attr]
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._evaluation_step("predict", super().predict_step, *args, **kwargs)
-
-    def _evaluation_step(self, phase: str, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """One evaluation batch of this rank's share (:class:`EvaluationLoader`), a fault point, guarded."""
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        if self.probes is not None and not trainer.sanity_checking:
-            self.probes.fault_point(phase, step=trainer.global_step, microbatch=self._eval_batches)
-            self.probes.tick()
-        self._eval_batches += 1
-        self._evaluating_batch = True
-        try:
-            with self.replica_guard(phase):
-                return step_fn(*args, **kwargs)
-        finally:
-            self._evaluating_batch = False
+        return self._eval.run("predict", self.lightning_module.trainer, super().predict_step, *args, **kwargs)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ collectives for Lightning
     def _in_world(self) -> bool:
@@ -622,7 +542,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor | Any:
         if not isinstance(tensor, Tensor) or not self._in_world():
             return tensor
-        return metrics.reduce_logged(self.job, tensor, reduce_op, evaluating=self._evaluating_batch, world_size=lambda: self.world_size)
+        return metrics.reduce_logged(self.job, tensor, reduce_op, evaluating=self.evaluating_batch, world_size=lambda: self.world_size)
 
     @override
     def barrier(self, name: str | None = None) -> None:
@@ -676,73 +596,34 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         step = self.lightning_module.trainer.global_step  # type: ignore[union-attr]
         return self.job.state_dict(step=step, planner=self.data.planner.state_dict())
 
-    _writer: checkpoint_io.CheckpointWriter | None = None
-
     @property
     def checkpoint_writer(self) -> checkpoint_io.CheckpointWriter:
         """This rank's DCP writer (see :mod:`~lightning_recover.strategies.checkpoint_io`); ``last_blocking_s`` says
         how long the last save held the step loop."""
-        if self._writer is None:
-            assert self.comm is not None and self.probes is not None
-            probes, ckpt = self.probes, self.config.checkpoint
-            self._writer = checkpoint_io.CheckpointWriter(
-                self.comm.shard, self.config.shards, async_save=ckpt.async_save, consolidate=ckpt.consolidate,
-                pointer_dir=ckpt.dir, fault_point=lambda step: probes.fault_point("checkpoint", step=step),
-            )
-        return self._writer
+        return self._checkpoints.writer
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Only the leader replica writes; in the background unless ``recover.checkpoint.async_save=false``."""
-        assert self.comm is not None
-        if self.comm.alive_replicas[0] != self.replica:
-            return
-        if storage_options is not None:
-            raise TypeError(f"ReCoVerHSDPStrategy.save_checkpoint takes no storage_options (got {storage_options!r}); pass None")
-        state = checkpoint[checkpoint_io.STATE_KEY] = self._protocol_state()
-        self.comm.check_fences("checkpoint")
-        if self.ledger is not None:
-            # Every ledger line up to this step durable before the checkpoint can be published:
-            # a relaunch from it after an OS crash finds no step missing (see lightning_recover.ledger).
-            self.ledger.sync()
-        with self.replica_guard("checkpoint save"):
-            self.checkpoint_writer.save(checkpoint, filepath, step=int(state["step"]))
+        self._checkpoints.save(checkpoint, filepath, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         """ModelCheckpoint's top-k removal: the file and its DCP directory, once a pending save is published."""
         if self.global_rank == 0:
-            with self.replica_guard("checkpoint removal"):
-                self.checkpoint_writer.remove(filepath)
+            self._checkpoints.remove(filepath)
 
     def wait_for_checkpoint(self) -> None:
         """Block until this rank's background checkpoint write (if any) is published."""
-        if self._writer is not None:
-            with self.replica_guard("checkpoint write"):
-                self._writer.wait()
+        self._checkpoints.wait()
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's keys from the file, model (and, when fitting, optimizer) state from its DCP directory,
         resharded to this run's shard count; when fitting, the job resumes from its protocol state."""
         assert self.model is not None
-        self.wait_for_checkpoint()
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        checkpoint = checkpoint_io.load(
-            checkpoint_path, self.model, self.optimizers, fitting=trainer.state.fn == TrainerFn.FITTING,
-            guard=lambda: self.replica_guard("checkpoint load"),
-        )
-        if trainer.state.fn == TrainerFn.FITTING:
-            state = checkpoint[checkpoint_io.STATE_KEY]
-            self.job.load_state_dict(state)
-            assert self.job.layout is not None
-            rank_zero_only(print)(
-                f"[lightning-recover] resuming at step {state['step']} on {self.job.layout.replicas} replica(s) "
-                f"(checkpoint had {len(state['replicas'])}); B={state['B']} from the checkpoint",
-                file=sys.stderr,
-                flush=True,
-            )
-        return checkpoint
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING  # type: ignore[union-attr]
+        return self._checkpoints.load(checkpoint_path, self.model, self.optimizers, fitting=fitting)
 
     # ------------------------------------------------------------------ teardown
     @override
