@@ -50,8 +50,7 @@ from typing_extensions import override
 
 from lightning_recover import _lightning, lifecycle, rejoin
 from lightning_recover.config import ConfigurationError, RecoverConfig
-from lightning_recover.data import MicrobatchSource, StepTicket, TicketLoader
-from lightning_recover.loading import MicrobatchFeed
+from lightning_recover.data import StepTicket, TicketLoader
 from lightning_recover.membership import admission
 from lightning_recover.process_group import ProcessGroupULFM
 from lightning_recover.recovery.job import JobHost, RecoveryJob
@@ -68,10 +67,10 @@ from lightning_recover.strategies.sharding import (
     local,
     on_gradient_ready,
     replica_mesh,
-    set_gradient_sync,
     shard_model,
 )
 from lightning_recover.strategies.step_logging import StepLogging
+from lightning_recover.strategies.steps import TrainingSteps
 from lightning_recover.strategies.train_loader import ticket_loader
 from lightning_recover.strategies.trainer_setup import DEFAULT_CALLBACKS, install_callbacks, job_host, validate_trainer
 
@@ -89,25 +88,6 @@ def _splittable(dataloader: object) -> bool:
         and not isinstance(dataset, torch.utils.data.IterableDataset)
         and hasattr(dataset, "__len__")
     )
-
-
-class _Runner:
-    """The engine's MicrobatchRunner for one optimizer step: forward and backward through Lightning."""
-
-    def __init__(self, strategy: ReCoVerHSDPStrategy, optimizer: Optimizer) -> None:
-        self.strategy = strategy
-        self.optimizer = optimizer
-
-    def run_microbatch(self, offset: int) -> None:
-        self.strategy.run_microbatch(offset, self.optimizer)
-
-    def local_grads(self) -> list[Tensor]:
-        grads = []
-        for p in self.strategy.trainable_parameters:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(local(p.grad))
-        return grads
 
 
 class ReCoVerHSDPStrategy(ParallelStrategy):
@@ -139,19 +119,12 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             )
         #: The running job: communicator, policy, engine, watchdog, ledger, recruiter (:mod:`~lightning_recover.recovery.job`).
         self.job = RecoveryJob(config if config is not None else RecoverConfig.from_arguments(**settings))
-        self.data: MicrobatchSource | None = None
-        self.feed: MicrobatchFeed | None = None
         self._replica_collectives: tuple[Any, ...] = ()
-        self._batch_idx = 0
-        #: The ledger record of the last committed step (also on ranks that do not write the ledger).
-        self.last_record: dict[str, Any] | None = None
         self._device_mesh: DeviceMesh | None = None
         self._logging = StepLogging(lambda: self.lightning_module)
+        self._steps = TrainingSteps(self, super().training_step, self._logging)
         self._eval = EvaluationSteps(lambda: self.probes, self.replica_guard)
         self._checkpoints = Checkpoints(self.job, self._protocol_state, self.replica_guard)
-        # Whether FSDP2 reduce-scatters inside the replica on the next backward.
-        self._syncing = True
-        self._trainable: list[torch.nn.Parameter] = []
 
     # ------------------------------------------------------------------ the job, as attributes
     config = property(lambda self: self.job.config, doc="The settings (B, G_init, T and the seed from the checkpoint once resumed).")
@@ -162,6 +135,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     recruiter = property(lambda self: self.job.recruiter, doc="The re-join recruiter (None without recover.rejoin).")
     watchdog = property(lambda self: self.job.watchdog, doc="The hang watchdog (None with it off).")
     probes = property(lambda self: self.job.probes, doc="The watchdog and fault-injection probes.")
+    data = property(lambda self: self._steps.data, doc="The training microbatches (None before the train loader).")
+    feed = property(lambda self: self._steps.feed, doc="What loads the planned microbatches ahead (None before the train loader).")
+    last_record = property(lambda self: self._steps.last_record, doc="The ledger record of the last committed step (every rank).")
     hang_timeout_s = property(lambda self: self.job.hang_timeout_s, doc="Seconds without a heartbeat before a rank counts as hung.")
     stuck_timeout_s = property(lambda self: self.job.stuck_timeout_s, doc="Seconds computing without progress (None: off).")
 
@@ -264,11 +240,6 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         """Inside validation_step / test_step / predict_step (their batches differ in number across ranks)."""
         return self._eval.active
 
-    @property
-    def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        """The sharded trainable parameters, in a fixed order (the engine's gradients; set in ``setup``)."""
-        return self._trainable
-
     def _host(self, trainer: Trainer) -> JobHost:
         return job_host(self, trainer, on_ranks=self._set_ranks, on_membership=self._on_membership)
 
@@ -312,8 +283,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             install_progress_hooks(self.model, self.watchdog.tick)
         # The sharded parameters, kept: between forward and backward FSDP2 registers a unit's
         # unsharded parameters on the module instead, so model.parameters() would name those.
-        self._trainable = [p for p in self.model.parameters() if p.requires_grad]
-        on_gradient_ready(self._trainable, self._gradient_ready)
+        self._steps.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        on_gradient_ready(self._steps.trainable, self._steps.gradient_ready)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -363,7 +334,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             return EvaluationLoader(dataloader, self.comm, self.config.shards, self.engine.repaired, self.probes.waiting)  # type: ignore[arg-type]
         if trainer is None or not trainer.training or isinstance(dataloader, TicketLoader):
             return dataloader
-        self.data, self.feed, tickets = ticket_loader(dataloader, self.job, self.feed, trainer.max_steps)
+        self._steps.data, self._steps.feed, tickets = ticket_loader(dataloader, self.job, self.feed, trainer.max_steps)
         return tickets
 
     @override
@@ -377,54 +348,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if not (args and isinstance(args[0], StepTicket)):
             return super().training_step(*args, **kwargs)
-        assert self.engine is not None
-        self._batch_idx = args[1] if len(args) > 1 else 0
-        if self.job.joining is not None:
-            admission.first_step(self.job)
-        self.engine.begin(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
-        # The microbatches planned now run first; the last of them reduce-scatters inside the
-        # replica and overlaps the cross-replica reduction (see backward).
-        first = self.engine.start_planned()
-        self._logging.begin_step()
-        with self._abandon_step_on_error():
-            self._logging.start()
-            return self._forward(first)
-
-    def run_microbatch(self, offset: int, optimizer: Optimizer) -> None:
-        """Forward and backward of the step's microbatch ``offset`` through Lightning, its logged values captured."""
-        assert self.engine is not None
-        self._logging.start()
-        out = self._forward(offset)
-        self.backward(out["loss"] if isinstance(out, Mapping) else out, optimizer)
-        self._logging.capture(self.engine)
-
-    def _forward(self, offset: int) -> Any:
-        """Forward of one microbatch (step-local id ``offset``) with its own RNG stream."""
-        assert self.engine is not None and self.engine.state is not None and self.data is not None and self.probes is not None
-        st = self.engine.state
-        self._logging.offset = offset
-        self.probes.fault_point("forward", step=st.step, microbatch=st.microbatches_run)
-        self.probes.tick()
-        assert self.feed is not None
-        # Seeds torch for this microbatch (the same on every replica), however it was loaded.
-        batch = self.batch_to_device(self.feed.get(st.step, offset))
-        with self.replica_guard("forward"), self._logging.as_batch(batch, first=st.microbatches_run == 0):
-            out = super().training_step(batch, self._batch_idx)
-        loss = out["loss"] if isinstance(out, Mapping) else out
-        if not isinstance(loss, Tensor):
-            raise TypeError(f"training_step must return a loss tensor (or a dict with 'loss'), got {type(out).__name__}")
-        self.engine.record(offset, float(loss.detach().float()))
-        return out
+        return self._steps.first_microbatch(args[1] if len(args) > 1 else 0)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        engine = self.engine
-        inflight = None
-        if engine is not None and engine.state is not None and self.probes is not None:
-            sync, final = engine.before_backward(self._logging.offset, sync_every_microbatch=self.config.sync_every_microbatch)
-            self._gradient_sync(sync)
-            if final and self.model is not None:
-                inflight = engine.start_overlap(_Runner(self, optimizer))  # type: ignore[arg-type]
+        inflight = self._steps.before_backward(optimizer)
         try:
             with self.replica_guard("backward"):
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
@@ -432,59 +360,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             if inflight is not None:
                 inflight.all_ready()
 
-    def _gradient_sync(self, sync: bool) -> None:
-        if sync != self._syncing and self.model is not None:
-            set_gradient_sync(self.model, sync)
-            self._syncing = sync
-
-    def _gradient_ready(self, index: int, grad: Tensor) -> None:
-        if self.engine is not None:
-            self.engine.gradient_ready(index, grad)
-
     @override
     def optimizer_step(
         self, optimizer: Optimizer, closure: Callable[[], Any], model: LightningModule | torch.nn.Module | None = None, **kwargs: Any
     ) -> Any:
-        assert self.engine is not None and self.probes is not None
-        model = model or self.lightning_module
-        runner = _Runner(self, optimizer)
-        with self._abandon_step_on_error():
-            result = closure()  # training_step(ticket) -> first microbatch, zero_grad, backward
-            self._logging.capture(self.engine)
-            st = self.engine.state
-            assert st is not None
-            self.engine.run_planned(runner)
-            self.engine.reduce_until_committed(runner)
-            self._logging.apply(st.logged_totals, self.world_size)
-            # on_before_optimizer_step and clipping must see the reduced gradient, as with stock
-            # strategies; the precision plugin's `_after_closure` is the one place that runs both
-            # (no public equivalent in Lightning 2.6).
-            self.precision_plugin._after_closure(model, optimizer)  # type: ignore[arg-type]
-            self.probes.fault_point("optimizer", step=st.step)
-            self.probes.tick()
-            out = optimizer.step(**kwargs)
-            self._committed(self.engine.finish())
-        return result if result is not None else out
-
-    def _committed(self, record: dict[str, Any]) -> None:
-        assert self.data is not None and self.comm is not None
-        self.data.planner.advance(record["step"])
-        self.last_record = record
-        if self.ledger is not None:
-            self.ledger.record(record, is_leader=self.global_rank == 0)
-        self._logging.log_committed(
-            record, live_replicas=len(self.comm.alive_replicas), world_epoch=self.comm.world_epoch, faults=self.faults_seen
-        )
-
-    @contextmanager
-    def _abandon_step_on_error(self) -> Iterator[None]:
-        """A step left by an exception (below min_replicas, a user error) is no longer computing."""
-        try:
-            yield
-        except BaseException:
-            if self.engine is not None:
-                self.engine.abandon()
-            raise
+        return self._steps.optimizer_step(optimizer, closure, model or self.lightning_module, **kwargs)
 
     @contextmanager
     def replica_guard(self, where: str) -> Iterator[None]:
