@@ -8,6 +8,8 @@ answers for it:
   ``recover.checkpoint.async_save=false``); the checkpoint carries the job's protocol
   state (:meth:`RecoveryJob.state_dict`) under :data:`~.checkpoint_io.STATE_KEY`, and the
   ledger is made durable up to this step before the checkpoint can be published;
+* dump: what ``trainer.save_checkpoint`` would write, in memory, with the protocol state
+  and the fault count, for the donor of a re-join to send;
 * load: Lightning's keys from the file, the model's (and optimizers') shards from the DCP
   directory, resharded; when fitting, the job resumes from the protocol state
   (:meth:`RecoveryJob.load_state_dict`);
@@ -26,6 +28,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from lightning_recover import _lightning
 from lightning_recover.recovery.job import RecoveryJob
 from lightning_recover.strategies import checkpoint_io
 
@@ -58,6 +61,13 @@ class Checkpoints:
                 pointer_dir=ckpt.dir, fault_point=lambda step: probes.fault_point("checkpoint", step=step),
             )
         return self._writer
+
+    def dump(self, trainer: Any) -> dict[str, Any]:
+        """Lightning's own checkpoint of this moment, plus the protocol's state, for a replacement."""
+        checkpoint = _lightning.dump_checkpoint(trainer)
+        state = checkpoint[checkpoint_io.STATE_KEY] = self._protocol_state()
+        state["faults_seen"] = self._job.engine.faults_seen if self._job.engine is not None else 0
+        return checkpoint
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None) -> None:
         """Only the leader replica writes; the checkpoint gets the protocol state."""

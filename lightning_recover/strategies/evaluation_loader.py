@@ -22,10 +22,21 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from lightning_recover.evaluation import Batches, EvaluationPlan
 from lightning_recover.recovery.interface import RepairResult
+
+
+def splittable(dataloader: object) -> bool:
+    """A DataLoader over a map-style dataset: evaluation can split it by sample index."""
+    dataset = getattr(dataloader, "dataset", None)
+    return (
+        isinstance(dataloader, torch.utils.data.DataLoader)
+        and not isinstance(dataset, torch.utils.data.IterableDataset)
+        and hasattr(dataset, "__len__")
+    )
 
 
 class EvaluationLoader:

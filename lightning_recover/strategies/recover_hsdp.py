@@ -1,29 +1,24 @@
 """ReCoVerHSDPStrategy: the Lightning strategy that adapts Lightning's hooks to the recovery protocol.
 
 Layout: the MPI world is W replicas x S shard ranks. torch's default process group is
-*replica-local* (:mod:`~lightning_recover.strategies.replica_group`), so Lightning's own
-hidden collectives never cross replicas; FSDP2 shards the model inside the replica and
-*sums* (:mod:`~lightning_recover.strategies.sharding`). Cross-replica traffic runs over the
-ULFM communicator. The protocol itself is the step engine's
-(:mod:`lightning_recover.recovery.engine`); this class only connects it to Lightning:
+*replica-local* (:mod:`~.replica_group`), so Lightning's own hidden collectives never
+cross replicas; FSDP2 shards the model inside the replica and *sums* (:mod:`~.sharding`).
+Cross-replica traffic runs over the ULFM communicator. This class holds Lightning's hooks
+only; each delegates:
 
-1. ``process_dataloader`` swaps the train loader for step tickets; microbatches are
-   identified by global id (:mod:`lightning_recover.data`) and loaded ahead by the user's
-   loader settings, the plan driving its batch sampler (:mod:`lightning_recover.loading`).
-2. ``training_step`` receives a ticket: the engine plans the step and the replica's first
-   planned microbatch runs inside Lightning's closure (so ``self.log`` and the closure
-   bookkeeping work as usual).
-3. ``optimizer_step`` runs the closure, then the engine computes the remaining
-   microbatches and reduces until one membership commits; only then do
-   ``on_before_optimizer_step``, gradient clipping and ``optimizer.step`` run, on the
-   reduced gradient divided by the constant ``B * S``.
-4. With ``rejoin=True`` every step boundary (``on_train_batch_start``) gives the
-   :class:`~lightning_recover.rejoin.Recruiter` its turn: replacements for lost replicas are
-   spawned while the survivors train, and admitted once ready -- Lightning's checkpoint,
-   dumped in memory, goes to them over MPI, and Lightning restores it as from a file.
-5. The engine's recovery hooks are dispatched to every callback in ``trainer.callbacks``
-   that implements them (:mod:`lightning_recover.recovery.hooks`); the default protocol
-   callbacks are installed before Lightning's setup hooks run.
+* the running job (communicator, policy, engine, watchdog, ledger, recruiter; start,
+  resume, close): :class:`~lightning_recover.recovery.job.RecoveryJob` (``self.job``);
+* the train loader (step tickets, microbatches loaded ahead): :mod:`~.train_loader`;
+* ``training_step`` / ``backward`` / ``optimizer_step``: :mod:`~.steps` over the step
+  engine -- the first planned microbatch runs inside Lightning's closure, the rest and the
+  reduction until one membership commits follow; only then do ``on_before_optimizer_step``,
+  clipping and ``optimizer.step`` run, on the reduced gradient divided by ``B * S``;
+* ``self.log`` inside a step and the loggers: :mod:`~.step_logging`; ``reduce`` /
+  ``all_gather`` and torchmetrics: :mod:`~.metrics`; evaluation: :mod:`~.evaluation_loader`;
+  checkpoints: :mod:`~.checkpoints`; the Trainer's checks and callbacks: :mod:`~.trainer_setup`;
+* hot re-join at every step boundary (``on_train_batch_start``) and a replacement's
+  setup: :mod:`lightning_recover.membership.admission`, with Lightning's checkpoint
+  dumped and restored in memory.
 
 Loss convention: ``training_step`` returns the mean loss over its (shard's slice of the)
 microbatch. The committed gradient is the mean over the step's B microbatches, exactly as
@@ -33,8 +28,8 @@ a single process accumulating ``loss / B`` over the same B microbatches would ge
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,22 +48,16 @@ from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.data import StepTicket, TicketLoader
 from lightning_recover.membership import admission
 from lightning_recover.process_group import ProcessGroupULFM
-from lightning_recover.recovery.job import JobHost, RecoveryJob
+from lightning_recover.recovery.job import RecoveryJob
 from lightning_recover.slurm import refuse_direct_launch
 from lightning_recover.strategies import checkpoint_io, metrics
 from lightning_recover.strategies.checkpoints import Checkpoints
 from lightning_recover.strategies.environment import ReplicaEnvironment
-from lightning_recover.strategies.evaluation_loader import EvaluationLoader, EvaluationSteps
+from lightning_recover.strategies.evaluation_loader import EvaluationLoader, EvaluationSteps, splittable
 from lightning_recover.strategies.probes import install_progress_hooks
-from lightning_recover.strategies.replica_group import is_comm_error
+from lightning_recover.strategies.replica_group import replica_guard
 from lightning_recover.strategies.replica_plane import use_replica_plane
-from lightning_recover.strategies.sharding import (
-    is_sharded,
-    local,
-    on_gradient_ready,
-    replica_mesh,
-    shard_model,
-)
+from lightning_recover.strategies.sharding import is_sharded, local, on_gradient_ready, replica_mesh, shard_model
 from lightning_recover.strategies.step_logging import StepLogging
 from lightning_recover.strategies.steps import TrainingSteps
 from lightning_recover.strategies.train_loader import ticket_loader
@@ -78,16 +67,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["DEFAULT_CALLBACKS", "ReCoVerHSDPStrategy"]
-
-
-def _splittable(dataloader: object) -> bool:
-    """A DataLoader over a map-style dataset: evaluation can split it by sample index."""
-    dataset = getattr(dataloader, "dataset", None)
-    return (
-        isinstance(dataloader, torch.utils.data.DataLoader)
-        and not isinstance(dataset, torch.utils.data.IterableDataset)
-        and hasattr(dataset, "__len__")
-    )
 
 
 class ReCoVerHSDPStrategy(ParallelStrategy):
@@ -140,6 +119,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     last_record = property(lambda self: self._steps.last_record, doc="The ledger record of the last committed step (every rank).")
     hang_timeout_s = property(lambda self: self.job.hang_timeout_s, doc="Seconds without a heartbeat before a rank counts as hung.")
     stuck_timeout_s = property(lambda self: self.job.stuck_timeout_s, doc="Seconds computing without progress (None: off).")
+    replica_plane = property(lambda self: self.job.replica_plane, doc='What carries FSDP2\'s collectives inside the replica: "mpi" or "torch" (settled).')
+    replica_plane_calls = property(lambda self: sum(c.calls for c in self._replica_collectives),
+                                   doc="FSDP2 all-gathers and reduce-scatters this rank ran on the MPI replica plane so far.")
+    faults_seen = property(lambda self: self.engine.faults_seen if self.engine is not None else 0, doc="Replicas this job lost so far.")
+    evaluating_batch = property(lambda self: self._eval.active, doc="Inside an evaluation step (batches differ in number across ranks).")
 
     # ------------------------------------------------------------------ ranks
     @property
@@ -216,32 +200,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         return self.job.replica_group
 
     @property
-    def replica_plane(self) -> str:
-        """What carries FSDP2's collectives inside the replica: ``"mpi"`` or ``"torch"`` (``recover.replica_plane``, settled)."""
-        return self.job.replica_plane
-
-    @property
-    def replica_plane_calls(self) -> int:
-        """FSDP2 all-gathers and reduce-scatters this rank ran on the MPI replica plane so far."""
-        return sum(c.calls for c in self._replica_collectives)
-
-    @property
     def B(self) -> int:
         assert self.policy is not None
         return self.policy.B
-
-    @property
-    def faults_seen(self) -> int:
-        """Replicas this job lost so far."""
-        return self.engine.faults_seen if self.engine is not None else 0
-
-    @property
-    def evaluating_batch(self) -> bool:
-        """Inside validation_step / test_step / predict_step (their batches differ in number across ranks)."""
-        return self._eval.active
-
-    def _host(self, trainer: Trainer) -> JobHost:
-        return job_host(self, trainer, on_ranks=self._set_ranks, on_membership=self._on_membership)
 
     def _set_ranks(self) -> None:
         """Lightning's rank-zero gates follow this rank's place in the current world."""
@@ -254,11 +215,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         # and engine are made once, by the first.
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         if self.comm is None:
-            joining = rejoin.seat()
+            joining, host = rejoin.seat(), job_host(self, trainer, on_ranks=self._set_ranks, on_membership=self._on_membership)
             if joining is None:
-                self.job.start(self._host(trainer))
+                self.job.start(host)
             else:
-                self.job.start_replacement(joining, self._host(trainer))
+                self.job.start_replacement(joining, host)
                 StepLogging.take_logger_versions(trainer, joining.seat.context.get("logger_versions", []))
         _lightning.no_distributed_sampler(trainer)
         install_callbacks(trainer, self.config)
@@ -311,14 +272,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """The step boundary of hot re-join: the recruiter's turn (see :mod:`lightning_recover.membership.admission`)."""
-        admission.step_boundary(self.job, batch_idx, dump=self._dump_for_transfer, guard=self.replica_guard)
-
-    def _dump_for_transfer(self) -> dict[str, Any]:
-        """Lightning's own checkpoint of this moment, plus the protocol's state, for a replacement."""
-        checkpoint = _lightning.dump_checkpoint(self.lightning_module.trainer)  # type: ignore[union-attr]
-        state = checkpoint[checkpoint_io.STATE_KEY] = self._protocol_state()
-        state["faults_seen"] = self.faults_seen
-        return checkpoint
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        admission.step_boundary(self.job, batch_idx, dump=lambda: self._checkpoints.dump(trainer), guard=self.replica_guard)
 
     def _on_membership(self) -> None:
         """The world changed (a repair or a join): Lightning's rank-zero gates and the log scaling follow."""
@@ -329,7 +284,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and not trainer.training and _splittable(dataloader):
+        if trainer is not None and not trainer.training and splittable(dataloader):
             assert self.comm is not None and self.engine is not None and self.probes is not None
             return EvaluationLoader(dataloader, self.comm, self.config.shards, self.engine.repaired, self.probes.waiting)  # type: ignore[arg-type]
         if trainer is None or not trainer.training or isinstance(dataloader, TicketLoader):
@@ -366,18 +321,12 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     ) -> Any:
         return self._steps.optimizer_step(optimizer, closure, model or self.lightning_module, **kwargs)
 
-    @contextmanager
-    def replica_guard(self, where: str) -> Iterator[None]:
+    def replica_guard(self, where: str) -> AbstractContextManager[None]:
         """A communication error inside the replica means a replica-mate died: leave via the gate.
 
         Wrap your own replica-local collectives in it (e.g. gathering full parameters after
         ``fit``), so a partner's death there never becomes a crash of this rank."""
-        try:
-            yield
-        except Exception as exc:
-            if self.config.shards > 1 and self.comm is not None and is_comm_error(exc):
-                lifecycle.gate_exit(self.comm.rank, f"replica-local collective failed during {where}: {exc}")
-            raise
+        return replica_guard(where, lambda: self.comm, self.config.shards)
 
     # ------------------------------------------------------------------ evaluation
     # Each run stage starts after the Trainer installed its SIGTERM handler (whose broadcast no
