@@ -8,6 +8,7 @@
   overlap     the overlapped reduction: buckets reduced while backward runs
   step_values the step's loss and logged values, summed once at the commit
   fake        FakeWorld: N simulated replicas in one process, scripted failures (tests)
+  job         RecoveryJob: one rank's running job (build, start, resume, re-join, close)
 
-Nothing here imports Lightning or MPI.
+Nothing here imports Lightning; only job imports MPI, when it starts a rank.
 """

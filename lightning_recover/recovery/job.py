@@ -7,7 +7,8 @@ engine, the hang watchdog and probes, the replica-local process groups, the step
 and the re-join recruiter. The job imports no Lightning: what it needs of the trainer
 arrives as the callables and values of a :class:`JobHost`.
 
-Lifecycle (one job per process; each step runs once, in this order)::
+Lifecycle (one job per process, started once; a resume per ``fit`` from a checkpoint, a
+re-join only on a replacement)::
 
     build    RecoveryJob(config)             settings only; nothing is started
     start    start(host)                     a launched rank: MPI, crash hook, checks,
@@ -27,6 +28,8 @@ Lifecycle (one job per process; each step runs once, in this order)::
     close    close()                         the survivors' last agreement (repairing a
                                              death after the last commit), the watchdog
                                              stops; shutdown(exit_code) then ends the rank
+                                             (at interpreter exit the host's end_of_job
+                                             runs it, registered by start)
 
 Errors (one table for the package: :mod:`lightning_recover.errors`; the fates named here
 are its fates):
