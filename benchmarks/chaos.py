@@ -103,264 +103,33 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
+if __name__ == "__main__" and str(REPO) not in sys.path:  # run from a fresh clone without installing the package
+    sys.path.insert(0, str(REPO))
 
-#: (replicas, shards, target replicas) that fit a 2-core machine.
-TOPOLOGIES: tuple[tuple[int, int, int | None], ...] = ((4, 1, None), (2, 2, None), (5, 1, 4), (3, 1, None), (4, 1, 3))
-PHASES = ("forward", "backward", "reduce", "optimizer")
+# What the campaign draws and how it judges (shared with the tests, which check that very code).
+from lightning_recover.testing.chaos import (  # noqa: E402
+    CUT_OFF_EXIT_BOUND_S,
+    DETECTOR,
+    REPAIR_BOUND_S,
+    STALL_TIMEOUT_S,
+    ChaosRun,
+    Outcome,
+    Prediction,
+    read_attempts,
+    draw_host_run,
+    draw_run,
+    summary,
+    supervisor_lines,
+)
+
 SAMPLES_PER_MICROBATCH = 2
 CORPUS_BYTES = 300_000
-
-
-@dataclass
-class ChaosRun:
-    index: int
-    replicas: int
-    shards: int
-    target: int | None
-    grad_accum: int
-    steps: int
-    seed: int
-    faults: list[dict[str, Any]] = field(default_factory=list)
-    rejoin: bool = False
-    #: Fake hosts the run uses (0: this machine, no fake hosts) and MPI slots on each.
-    hosts: int = 0
-    slots: int = 0
-
-    @property
-    def world(self) -> int:
-        return self.replicas * self.shards
-
-    @property
-    def B(self) -> int:
-        return (self.target or self.replicas) * self.grad_accum
-
-    def describe(self) -> str:
-        t = f" T={self.target}" if self.target else ""
-        fs = ", ".join(
-            f"s{f['step']} r{f['rank']} {f['phase']}{'/mb' + str(f['microbatch']) if 'microbatch' in f else ''} {f['kind']}"
-            + (f" {f['seconds']:g}s" if "seconds" in f else "")
-            for f in self.faults
-        )
-        where = f" on {self.hosts} hosts x {self.slots}" if self.hosts else ""
-        return f"{self.replicas}x{self.shards}{t}{where} G={self.grad_accum} B={self.B}{' rejoin' if self.rejoin else ''}: {fs}"
-
-    def host_of(self, rank: int) -> int:
-        """The fake host (index) ``rank`` runs on: Open MPI fills each host's slots in turn."""
-        if not self.hosts:
-            raise ValueError("host_of applies to runs on fake hosts (--hosts N)")
-        return rank // self.slots
-
-
-#: Re-join phases a replacement can be killed in (FaultInjection counts their step by attempt).
-JOIN_PHASES = ("join_startup", "join_transfer", "joined")
-
-
-def draw_run(
-    index: int, rng: random.Random, steps: int, hangs: bool = True, stuck: bool = False, joins: bool = False, corrupt: bool = False
-) -> ChaosRun:
-    """One random run. A fifth of the faults are silent (SIGSTOP, or with ``stuck`` half of
-    those spin in compute instead); ``stuck`` does not change the other draws of a seed.
-    ``joins`` turns re-join on and adds faults on replacements, ``corrupt`` adds one bit
-    flip (both drawn after the others, so the rest of a seed's draw is the same)."""
-    W, S, T = rng.choice(TOPOLOGIES)
-    run = ChaosRun(index, W, S, T, grad_accum=rng.randint(1, 3), steps=steps, seed=rng.randint(0, 2**31 - 1))
-    losses = rng.randint(1, W - 1)
-    victims = rng.sample(range(W), losses)
-    for n, replica in enumerate(victims):
-        rank = replica * S + rng.randrange(S)
-        step = rng.randrange(steps)
-        phase = rng.choice(PHASES)
-        r = rng.random()
-        kind = "kill" if not hangs or r >= 0.2 else ("stuck" if stuck and r >= 0.1 else "hang")
-        fault: dict[str, Any] = {"step": step, "rank": rank, "phase": phase, "kind": kind}
-        if phase in ("forward", "backward"):
-            # Indices past the replica's own quota land in a boundary step (a cascade).
-            fault["microbatch"] = rng.randrange(run.grad_accum + (2 if n else 0))
-        elif phase == "reduce":
-            fault["bucket"] = rng.randrange(3)
-        run.faults.append(fault)
-    if joins:
-        run.rejoin = True
-        for replica in victims:
-            if rng.random() < 0.5:
-                rank = replica * S + rng.randrange(S)
-                run.faults.append({"step": rng.randint(1, 2), "rank": rank, "phase": rng.choice(JOIN_PHASES), "kind": "kill"})
-    if corrupt and run.replicas >= 3:  # two replicas cannot tell which copy is right: that job stops (tested apart)
-        rank = rng.randrange(run.world)
-        target = rng.choice(("params", "optimizer", "grads"))
-        spares = range((run.target or run.replicas) * S, run.world)
-        quiet_step0 = not any(f["step"] == 0 for f in run.faults)
-        if target == "grads" and run.grad_accum > 1 and spares and quiet_step0:
-            # Mid-step, in a spare's shadow copy (the only copy the cross-check compares before the
-            # reduction), in step 0, while no failure has changed the roles yet.
-            run.faults.append({"step": 0, "rank": rng.choice(list(spares)), "phase": "backward", "microbatch": 1,
-                               "kind": "corrupt", "target": "grads"})
-        else:
-            # A step where at least 3 replicas are certainly live (a majority can name the odd one);
-            # the optimizer has no state before its first update (step 0).
-            first = 1 if target == "optimizer" else 0
-            ok = [t for t in range(first, steps) if run.replicas - sum(1 for f in run.faults if f["step"] <= t) >= 3]
-            if ok:
-                run.faults.append({"step": rng.choice(ok), "rank": rank, "phase": "optimizer",
-                                   "kind": "corrupt", "target": "params" if target == "grads" else target})
-    return run
-
-
-# ---------------------------------------------------------------------- runs on fake hosts
-#: (hosts, slots per host, replicas, shards) for ``--hosts N``: ranks fill each host in turn, every
-#: replica lives on one host, at most 4 ranks (2 cores). Those needing more hosts than N are left out.
-HOST_TOPOLOGIES: tuple[tuple[int, int, int, int], ...] = ((3, 1, 3, 1), (2, 2, 4, 1), (2, 2, 2, 2), (4, 1, 4, 1))
-HOST_FAULT_KINDS = ("host_ranks_kill", "host_kill", "host_freeze", "host_partition", "host_flap")
-#: Open MPI's heartbeat detector without its thread (which hung fault-free jobs at finalize): the
-#: only way a cut-off or frozen host's ranks are noticed; a rank silent for 4 s is declared dead.
-DETECTOR = ["--mca", "mpi_ft_detector", "true", "--mca", "mpi_ft_detector_period", "1", "--mca", "mpi_ft_detector_timeout", "4"]
-#: ``LIGHTNING_RECOVER_REPAIR_TIMEOUT`` of the runs on fake hosts: an agreement or repair that does
-#: not return within it ends its rank as one without quorum (the supervisor relaunches). Above the
-#: slowest in-place repair seen here (35 s: a frozen host's two ranks, declared one at a time).
-REPAIR_BOUND_S = 45.0
-#: How long after the cut a partitioned host's ranks may take to leave on their own: detection (4 s
-#: per rank the detector declares, one at a time), then their repair, which the bound above ends
-#: when their agreement never returns (seen on the cut-off side of an even split), on a loaded machine.
-CUT_OFF_EXIT_BOUND_S = REPAIR_BOUND_S + 30.0
-#: The supervisor's ``--stall-timeout``: no committed step for this long (counted from an attempt's
-#: start) ends the attempt -- what ends a job whose mpiexec waits on a frozen host's daemon after
-#: every rank it can reach has left. Above start-up plus :data:`REPAIR_BOUND_S` on a loaded machine.
-STALL_TIMEOUT_S = 100.0
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """What the no-split-brain rule says a run on fake hosts must end with."""
-
-    #: True: the head's side goes on to the last step; False: it stops for want of quorum.
-    proceeds: bool
-    #: The replicas of the last world, one set per way the run may go (a flap may heal unnoticed).
-    final: tuple[frozenset[int], ...]
-    #: proceeds=False: the ranks that must leave with the "no quorum" marker (the head's side at the stop).
-    stopped: frozenset[int] = frozenset()
-    #: Why a draw was refused (None: a valid draw).
-    refused: str | None = None
-    #: The run has a flap: Open MPI's detector (each rank watches one other, in a ring) declares
-    #: dead only those whose watcher sits across the cut while the link is down, and Open MPI
-    #: aborts a declared rank once it hears of it. So any non-empty part of ``final[0]`` may
-    #: form the last world, or the head's side may stop for want of quorum; one world at most.
-    flap: bool = False
-    #: The host is lost with Open MPI's daemon (``host_kill``): Open MPI 5.0.x aborts the whole job and
-    #: the supervisor's relaunch on the other hosts goes on -- unless the survivors finish in place
-    #: first (the abort comes a moment after the loss); then ``proceeds``/``final`` say how, by the
-    #: rule, as for a host whose ranks all died out of the survivors' sight.
-    host_lost: bool = False
-
-
-def predict(run: ChaosRun, flap_lost: bool = True) -> Prediction:
-    """Replay ``run``'s faults through :func:`lightning_recover.quorum.decide` with the inputs the
-    survivors have (who was in the previous world, who is still reachable, on which host).
-
-    The faults must fall in distinct steps (each is its own repair). ``flap_lost``: the flap
-    lasted long enough for the detector (else it costs nothing)."""
-    from lightning_recover import quorum
-
-    world = range(run.world)
-    host_of = {r: str(run.host_of(r)) for r in world}
-    replica_of = {r: r // run.shards for r in world}
-    alive = set(range(run.replicas))
-    events = sorted(run.faults, key=lambda f: (f["step"], PHASES.index(f["phase"])))
-    for f in events:
-        live = [r for r in world if replica_of[r] in alive]
-        if replica_of[f["rank"]] not in alive:
-            return Prediction(False, (), refused=f"rank {f['rank']} is gone before its fault fires")
-        leader = replica_of[min(live)]
-        if f["kind"].startswith("host_"):
-            if f["kind"] == "host_flap" and not flap_lost:
-                continue
-            cut = [r for r in live if host_of[r] == host_of[f["rank"]]]
-        else:
-            cut = [f["rank"]]
-        present = [r for r in live if r not in cut]
-        keep = {replica_of[r] for r in present} - {replica_of[r] for r in cut}
-        if not keep:
-            return Prediction(False, (), refused=f"the {f['kind']} at step {f['step']} leaves no replica on the head's side")
-        verdict = quorum.decide(alive, keep, quorum.certain_losses(cut, present, host_of, replica_of), leader)
-        # The victims' replica-mates leave through the gate, before or after the survivors shrink: a
-        # race. Where the verdict depends on it (a mate the only witness on its host), no outcome is certain.
-        mates = [r for r in present if replica_of[r] not in keep]
-        gone = [r for r in present if r not in mates]
-        if mates and quorum.decide(alive, keep, quorum.certain_losses(cut + mates, gone, host_of, replica_of), leader).proceed != verdict.proceed:
-            return Prediction(False, (), refused=f"the verdict at step {f['step']} depends on whether replica-mates leave before the repair")
-        if f["kind"] in ("host_partition", "host_flap"):
-            far = {replica_of[r] for r in cut}
-            other = quorum.decide(alive, far, quorum.certain_losses(present, cut, host_of, replica_of), leader)
-            if other.proceed:
-                return Prediction(False, (), refused=f"the rule lets the cut-off side go on ({other.reason})")
-        lost_host = f["kind"] == "host_kill"
-        if verdict.proceed:
-            alive = keep
-            if lost_host:
-                return Prediction(True, (frozenset(alive),), host_lost=True)
-            continue
-        # The head's side stops; the supervisor relaunches (an mpiexec left waiting on ranks it cannot
-        # reach -- a frozen or cut-off host, a stopped rank -- is ended by its stall watchdog).
-        return Prediction(False, (frozenset(alive),), stopped=frozenset(present), host_lost=lost_host)
-    return Prediction(True, (frozenset(alive),))
-
-
-def draw_host_run(index: int, rng: random.Random, steps: int, n_hosts: int, hangs: bool = True) -> tuple[ChaosRun, Prediction]:
-    """One run on fake hosts: one host fault on a host other than the head, and in most runs a rank
-    fault on another host, in another step. Draws the rule would end in a way the campaign
-    cannot judge are drawn again (module docstring); returns the run and its prediction."""
-    if n_hosts < 2:
-        raise ValueError(f"--hosts must be >= 2 (a host fault needs a host besides the head), got {n_hosts}")
-    if steps < 3:
-        raise ValueError(f"runs on fake hosts need --steps >= 3 (a step before the host fault and one after), got {steps}")
-    topologies = [t for t in HOST_TOPOLOGIES if t[0] <= n_hosts]
-    for _ in range(1000):
-        H, slots, W, S = rng.choice(topologies)
-        run = ChaosRun(index, W, S, None, grad_accum=rng.randint(1, 2), steps=steps, seed=rng.randint(0, 2**31 - 1), hosts=H, slots=slots)
-        victim = rng.randrange(1, H)
-        kind = rng.choice(HOST_FAULT_KINDS)
-        host_step = rng.randint(1, steps - 2)
-        fault: dict[str, Any] = {"step": host_step, "rank": rng.choice([r for r in range(run.world) if run.host_of(r) == victim]),
-                                 "phase": rng.choice(PHASES), "kind": kind}
-        if kind == "host_flap":
-            fault["seconds"] = round(rng.uniform(2.0, 6.0), 1)
-        run.faults.append(fault)
-        elsewhere = [r for r in range(run.world) if run.host_of(r) != victim]
-        # Never in the last step (a death after the last commit is in no ledger line); before a
-        # flap only, whose cost is not known in advance (Prediction.flap), and before a host lost whole,
-        # after which the job is relaunched without faults.
-        rank_steps = [t for t in range(steps - 1) if t != host_step and (kind not in ("host_flap", "host_kill") or t < host_step)]
-        if rng.random() < 0.7 and rank_steps:
-            rank_step = rng.choice(rank_steps)
-            r = rng.random()
-            # A stopped rank alone on its host has no watchdog beside it and is left to Open MPI's
-            # detector, with which the survivors often never began a repair (module docstring): a
-            # hang goes only where another rank of the host watches it.
-            run.faults.append({"step": rank_step, "rank": rng.choice(elsewhere), "phase": rng.choice(PHASES),
-                               "kind": "hang" if hangs and r < 0.2 and slots >= 2 else "kill"})
-        for f in run.faults:
-            if f["phase"] in ("forward", "backward"):
-                f["microbatch"] = 0  # every replica computes a first microbatch in every step
-            elif f["phase"] == "reduce":
-                f["bucket"] = 0
-        pred = predict(run)
-        if pred.refused is not None:
-            continue
-        if kind == "host_flap":
-            # Which replicas a flap costs is up to the detector's ring (Prediction.flap): the
-            # replicas alive before it are all the campaign can hold the last world to.
-            quiet = predict(run, flap_lost=False)
-            if quiet.refused is not None or not quiet.proceeds:
-                continue
-            pred = Prediction(True, quiet.final, flap=True)
-        return run, pred
-    raise RuntimeError(f"no valid run on {n_hosts} hosts drawn in 1000 tries; this is a bug in draw_host_run")
 
 
 def slow_while_degraded(seconds: float) -> Any:
@@ -505,40 +274,6 @@ def reference_run(B: int, steps: int, seed: int, samples_per_microbatch: int = S
 
 
 # ---------------------------------------------------------------------- driver
-@dataclass
-class Outcome:
-    run: ChaosRun
-    seconds: float
-    hang: bool = False
-    fired: int = 0
-    recovered: int = 0
-    violations: list[str] = field(default_factory=list)
-    pauses: list[float] = field(default_factory=list)
-    #: Per step that lost a hung or stuck replica: the longest failed round, i.e. how long the
-    #: survivors were blocked before the watchdog's kill freed them.
-    detects: list[float] = field(default_factory=list)
-    #: Corruption checks run and detections, summed over the ranks that finished.
-    sdc_checks: int = 0
-    sdc_detections: int = 0
-    #: Injected corruptions that fired, and how many of them the ledger shows detected.
-    corruptions: int = 0
-    corruptions_found: int = 0
-    #: Runs on fake hosts: two sides trained (each entry says how it showed).
-    split_brain: list[str] = field(default_factory=list)
-    #: The host faults the harness applied ("KIND HOST ranks [...]").
-    host_faults: list[str] = field(default_factory=list)
-    #: The first attempt stopped for want of quorum, as the rule said it must.
-    no_quorum: bool = False
-    #: Ranks of a cut-off host that left with the no-quorum marker.
-    cut_off_left: int = 0
-    #: Runs on fake hosts (supervised): how often the supervisor relaunched the job, and what each relaunch cost.
-    relaunches: int = 0
-    relaunch_costs: list[str] = field(default_factory=list)
-    #: The in-place repair was cut short by its bound (an agreement Open MPI never returned from).
-    bounded: bool = False
-    #: Why the first attempt could not go on in place ("" when it did).
-    relaunch_cause: str = ""
-
 
 def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) -> Outcome:
     from lightning_recover.launcher import RUNTIME_START_FAILURE, build_command, launch_env, run_supervised
@@ -633,39 +368,6 @@ def _write_reference(run: ChaosRun, path: Path, steps: int) -> None:
                        "world_epoch": 0, "roles": {}, "faults": [], "extra_microbatches": 0, "step_time_s": 0.0, "recovery_s": 0.0})
 
 
-def _status_markers(directory: Path) -> dict[str, dict[int, str]]:
-    """``ok`` / ``exited`` / ``raised`` / ``started`` markers the ranks of one attempt left in its status directory: kind -> rank -> text."""
-    out: dict[str, dict[int, str]] = {"ok": {}, "exited": {}, "raised": {}, "started": {}}
-    for marker in directory.glob("*.*"):
-        what, _, rank = marker.name.partition(".")
-        if what in out and rank.isdigit():
-            out[what][int(rank)] = marker.read_text(errors="replace")
-    return out
-
-
-@dataclass
-class _Attempt:
-    """What one attempt of a supervised run left: its ranks' markers, results and ledger."""
-
-    index: int
-    markers: dict[str, dict[int, str]]
-    results: dict[int, dict[str, Any]]
-    ledger_path: Path
-
-
-def _attempts(outdir: Path) -> list[_Attempt]:
-    """The attempts of a supervised run, in order (the supervisor keeps ``status/supervise-*/attempt-K``)."""
-    dirs = sorted(outdir.glob("status/supervise-*/attempt-*"), key=lambda d: int(d.name.rpartition("-")[2]))
-    found = []
-    for i, d in enumerate(dirs):
-        final = i == len(dirs) - 1
-        results = {int(f.name[4:].partition(".")[0]): json.loads(f.read_text()) for f in outdir.glob(f"rank*.attempt-{i}.json")}
-        found.append(_Attempt(i, _status_markers(d), results, outdir / ("ledger.jsonl" if final else f"ledger.attempt-{i}.jsonl")))
-    return found
-
-
-def _supervisor_lines(log_text: str) -> list[str]:
-    return [line for line in log_text.splitlines() if "[lightning-recover] supervise:" in line]
 
 
 def execute_on_hosts(
@@ -729,13 +431,13 @@ def execute_on_hosts(
         out.violations.append(f"did not finish within {bound_s:.0f}s")
         return out
     log_text = (outdir / "job.log").read_text(errors="replace")
-    attempts = _attempts(outdir)
+    attempts = read_attempts(outdir)
     if not attempts:
         out.violations.append("the supervisor left no attempt's status directory")
         return out
     first, final = attempts[0], attempts[-1]
     out.relaunches = len(attempts) - 1
-    reasons = [line for line in _supervisor_lines(log_text) if "; relaunch " in line]
+    reasons = [line for line in supervisor_lines(log_text) if "; relaunch " in line]
 
     # Every attempt: its ledger exact against the fault-free reference, and never two sides training.
     ledgers: list[list[dict[str, Any]]] = []
@@ -833,7 +535,7 @@ def execute_on_hosts(
         started = {r // run.shards for r in final.markers["started"]}
         if started != last:
             out.violations.append(f"the relaunch started replicas {sorted(started)} but its last world is {sorted(last)}")
-        out.relaunch_costs = [line.partition("cost ")[2] for line in _supervisor_lines(log_text) if " cost " in line]
+        out.relaunch_costs = [line.partition("cost ")[2] for line in supervisor_lines(log_text) if " cost " in line]
 
     hit = [f for f in run.faults if not f["kind"].startswith("host_") and f"{f['kind']} rank {f['rank']} at step {f['step']} {f['phase']}" in log_text]
     # Every step of every run is also checked for silent data corruption: none was injected here.
@@ -905,37 +607,6 @@ def campaign(
     return outcomes
 
 
-def summary(outcomes: list[Outcome]) -> str:
-    faults = sum(len(o.run.faults) for o in outcomes)
-    fired = sum(o.fired for o in outcomes)
-    recovered = sum(o.recovered for o in outcomes)
-    violations = sum(1 for o in outcomes if o.violations and not o.hang)
-    hangs = sum(1 for o in outcomes if o.hang)
-    on_hosts = any(o.run.hosts for o in outcomes)
-    pauses = sorted(p for o in outcomes for p in o.pauses)
-    med = pauses[len(pauses) // 2] if pauses else float("nan")
-    detects = sorted(d for o in outcomes for d in o.detects)
-    rows = [
-        ("runs", len(outcomes)), ("faults scheduled", faults), ("faults injected (fired)", fired),
-        ("recovered", recovered), ("violations", violations), ("hangs", hangs),
-        ("median recovery pause", f"{med:.3f}s"),
-        ("corruption checks (all ranks)", sum(o.sdc_checks for o in outcomes)),
-        ("corruptions injected / detected", f"{sum(o.corruptions for o in outcomes)} / {sum(o.corruptions_found for o in outcomes)}"),
-        ("sdc false positives", sum(1 for o in outcomes if any(v.startswith("false positive") for v in o.violations))),
-    ]
-    if on_hosts:
-        rows += [
-            ("split brains", sum(1 for o in outcomes if o.split_brain)),
-            ("host faults applied", sum(len(o.host_faults) for o in outcomes)),
-            ("no-quorum stops (the rule's outcome)", sum(1 for o in outcomes if o.no_quorum)),
-            ("relaunched by the supervisor", f"{sum(1 for o in outcomes if o.relaunches)}"
-             + "".join(f"; {cause}: {n}" for cause, n in sorted(Counter(o.relaunch_cause for o in outcomes if o.relaunches).items()))),
-            ("cut-off ranks that left (no quorum)", sum(o.cut_off_left for o in outcomes)),
-        ]
-    if detects:
-        rows.append(("silent-fault detection", f"n={len(detects)} median {detects[len(detects) // 2]:.2f}s max {detects[-1]:.2f}s"))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -992,6 +663,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if str(REPO) not in sys.path:  # run from a fresh clone without installing the package
-        sys.path.insert(0, str(REPO))
     sys.exit(main())

@@ -48,20 +48,17 @@ import argparse
 import json
 import os
 import platform
-import random
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-JOB = ROOT / "benchmarks" / "bench_job.py"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proctree import ProcessTree, become_subreaper  # noqa: E402
+from common import bootstrap_ratio, launch, loadavg, read_clock, wait_quiet  # noqa: E402
+from proctree import become_subreaper  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "overhead.json"
 LAYOUTS = {"2x2": 2, "4x1": 1}  # name -> shards (world is always 4 ranks)
 # Ablations of ReCoVer: bench_job.py arguments of the named variants.
@@ -99,101 +96,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _proc_stat() -> tuple[int, int] | None:
-    """(total, busy) jiffies of the whole machine from /proc/stat, or None.
-
-    Niced time counts as busy: with the kernel's autogroup scheduling (the default on
-    desktop/server kernels) a nice-19 job in another session still gets its group's full
-    share of the CPU.
-    """
-    try:
-        with open("/proc/stat") as f:
-            vals = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    vals = vals[:8]  # user nice system idle iowait irq softirq steal (guest time is inside user/nice)
-    total = sum(vals)
-    return total, total - vals[3] - (vals[4] if len(vals) > 4 else 0)
-
-
-def _children_cpu() -> float:
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
-
-
-def wait_quiet(max_wait: float, cores: float = 0.5) -> tuple[float, float | None]:
-    """Wait (at most ``max_wait`` s) until other work on the machine uses under ``cores`` cores.
-
-    The machine is shared; starting a timed job while another job is running only adds
-    noise. Returns (seconds waited, cores busy at the last sample).
-    """
-    t0 = time.time()
-    busy = None
-    while True:
-        a = _proc_stat()
-        time.sleep(1.0)
-        b = _proc_stat()
-        if a is None or b is None:
-            return time.time() - t0, None
-        busy = (b[1] - a[1]) / max(1, b[0] - a[0]) * (os.cpu_count() or 1)
-        if busy < cores or time.time() - t0 >= max_wait:
-            return time.time() - t0, busy
-
-
-def launch(job_args: list[str], outdir: Path, timeout: float, *, ft: bool = True, nprocs: int = 4) -> dict:
-    """Run one 4-rank job of bench_job.py under a hard timeout, then end its whole process tree.
-
-    Every process the launch started is gone when this returns (see ``proctree.py``); the
-    ones that outlived mpiexec or the timeout are printed and returned as ``leftovers``.
-
-    ``ft=True``: ``lightning-recover launch`` (mpiexec --with-ft ulfm). ``ft=False``: plain
-    ``mpiexec`` without fault tolerance, so one rank's death aborts the whole job.
-    """
-    from lightning_recover.launcher import build_command, launch_env
-
-    outdir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, str(JOB), *job_args, "--out", str(outdir)]
-    if ft:
-        cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(nprocs), "--", *command]
-    else:
-        cmd = [c for c in build_command(nprocs, command) if c not in ("--with-ft", "ulfm")]
-    env = launch_env()
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-                "PYTHONWARNINGS": "ignore"})
-    stat0, cpu0 = _proc_stat(), _children_cpu()
-    t0 = time.time()
-    # ProcessTree: mpiexec's ranks sit in their own process groups, so ending mpiexec's group
-    # is not enough; the tree (session + every descendant seen) is ended by pid, also on
-    # exceptions, and any rank that outlived mpiexec is reported.
-    with ProcessTree(cmd, f"{outdir.name} job", cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as tree:
-        proc = tree.proc
-        chunks: list[bytes] = []
-        reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)  # type: ignore[union-attr]
-        reader.start()  # drains the pipe so the job never blocks on a full one while we poll
-        timed_out = tree.wait(timeout) is None
-        leftovers = tree.end()
-        reader.join(timeout=10)
-        log = b"".join(chunks).decode(errors="replace")
-    wall = time.time() - t0
-    stat1, cpu1 = _proc_stat(), _children_cpu()
-    # CPU the rest of the machine used meanwhile, in cores: (all busy time - this job's CPU time) / wall.
-    foreign = None
-    if stat0 is not None and stat1 is not None:
-        hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-        foreign = max(0.0, ((stat1[1] - stat0[1]) / hz - (cpu1 - cpu0)) / max(wall, 1e-9))
-    (outdir / "job.log").write_text(log or "")
-    return {"rc": proc.returncode, "timed_out": timed_out, "wall_s": wall, "t0": t0, "job_cpu_s": cpu1 - cpu0,
-            "foreign_cores": foreign, "log_tail": (log or "")[-3000:],
-            "leftovers": leftovers}
-
-
-def read_clock(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def peak_rss(outdir: Path) -> float | None:
     """The largest peak resident memory (MiB) of the job's ranks, from bench_job.py's rss*.json."""
     peaks = [json.loads(f.read_text())["peak_rss_mib"] for f in outdir.glob("rss*.json")]
@@ -206,25 +108,6 @@ def pct(xs: list[float], q: float) -> float:
         return float("nan")
     i = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
     return xs[i]
-
-
-def bootstrap_ratio(a: list[float], b: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of median(a) / median(b)."""
-    rng = random.Random(seed)
-    rs = []
-    for _ in range(n):
-        ra = statistics.median(rng.choices(a, k=len(a)))
-        rb = statistics.median(rng.choices(b, k=len(b)))
-        rs.append(ra / rb)
-    rs.sort()
-    return rs[int(0.025 * n)], rs[int(0.975 * n) - 1]
-
-
-def loadavg() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -546,7 +546,7 @@ def fmt_list(xs: list, spec: str = ".2f", none: str = "never") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from overhead import _children_cpu, _proc_stat, wait_quiet
+    from common import children_cpu, proc_stat, wait_quiet
 
     work = Path(tempfile.mkdtemp(prefix="lr-peers-"))
     B = REPLICAS * args.grad_accum
@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         waited, _ = wait_quiet(args.quiet_wait)
         print(f"  {name} ...", flush=True)
         outdir = work / name
-        stat0, cpu0, t0 = _proc_stat(), _children_cpu(), time.time()
+        stat0, cpu0, t0 = proc_stat(), children_cpu(), time.time()
         if name.startswith("recover"):
             run = run_recover(args, name, outdir, rejoin=name.startswith("recover-rejoin"), kills=kills, indices=indices,
                               standbys=0 if name == "recover-rejoin-cold" else args.standbys)
@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
             run.notes.append(f"lighthouse heartbeat timeout {hb} ms, ProcessGroupGloo timeout {pgt:g} s")
         else:
             run = run_checkpoint_restart(args, name, outdir, kills, indices)
-        stat1, cpu1 = _proc_stat(), _children_cpu()
+        stat1, cpu1 = proc_stat(), children_cpu()
         if stat0 is not None and stat1 is not None:
             # Cores other work used meanwhile: all busy CPU time minus this run's own, over its wall time.
             run.foreign_cores = max(0.0, ((stat1[1] - stat0[1]) / os.sysconf("SC_CLK_TCK") - (cpu1 - cpu0))

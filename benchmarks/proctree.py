@@ -1,7 +1,7 @@
 """Launch a benchmark's job and end its WHOLE process tree before the next one starts.
 
 Role: the one place where the benchmarks start and end the processes they measure
-(``overhead.launch`` for overhead/goodput/rejoin, ``peers.py`` for mpiexec, torchrun and
+(``common.launch`` for overhead/goodput/rejoin/sdc_overhead, ``peers.py`` for mpiexec, torchrun and
 torchft's lighthouse). Killing the launcher's process group is not enough here:
 
 * Open MPI 5's ``mpiexec`` (PRRTE) puts every rank into its own process group

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import launch, wait_quiet  # noqa: E402
+from common import launch, wait_quiet  # noqa: E402
 from proctree import become_subreaper  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import bootstrap_ratio, launch, read_clock, wait_quiet  # noqa: E402
+from common import bootstrap_ratio, launch, read_clock, wait_quiet  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "sdc_overhead.json"

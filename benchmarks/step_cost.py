@@ -109,7 +109,7 @@ def peers_args(args: argparse.Namespace, size: str) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from overhead import wait_quiet
+    from common import wait_quiet
 
     work = Path(tempfile.mkdtemp(prefix="lr-stepcost-"))
     print(f"step_cost: {peers.REPLICAS} replicas x 1 rank on {os.cpu_count()} cores, sizes {args.sizes}, {args.steps} "

@@ -46,7 +46,7 @@ from lightning_recover.config import ConfigurationError, RecoverConfig
 EXAMPLES = Path(__file__).resolve().parent
 sys.path.insert(0, str(EXAMPLES))
 
-# The fields of examples/model.py's GPTConfig (checked against it by tests/test_pretrain.py).
+# The fields of examples/model.py's GPTConfig (checked against it by tests/launched/test_pretrain.py).
 MODEL_FIELDS = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "lr", "weight_decay", "warmup_steps")
 
 PROG = "pretrain.py"

@@ -1,6 +1,6 @@
 """lightning-recover: survive replica failures in Lightning HSDP training without restarting.
 
-Modules and packages, bottom up (``tests/test_package_maps.py`` keeps this list complete):
+Modules and packages, bottom up (``tests/inprocess/test_package_maps.py`` keeps this list complete):
 
   errors        RecoverError and the error model: what becomes of every exception
   _compat       torch version checks, in one table

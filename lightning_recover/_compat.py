@@ -2,7 +2,7 @@
 
 Installation, not the protocol: the lower bound on torch in ``pyproject.toml`` is the
 newest release in :data:`TORCH_APIS` (:data:`MIN_TORCH`), with no upper bound, so any
-current CUDA build of torch installs. ``tests/test_packaging.py`` keeps the two in step:
+current CUDA build of torch installs. ``tests/inprocess/test_packaging.py`` keeps the two in step:
 it checks that every entry exists in the installed torch, that every FSDP2 / DTensor /
 ``torch.distributed`` submodule API the package's source touches has an entry, and that
 ``pyproject.toml`` says ``torch>=MIN_TORCH``. Adding a newer torch API means adding its

@@ -4,7 +4,7 @@ Installation, not the protocol: the strategy adapts Lightning's hooks through pu
 wherever Lightning has one; the few things it cannot reach that way are done here (the
 strategy's) or listed here (the loggers' and step logs' overrides of private members,
 which must stay in their classes). :data:`CHECKED_WITH` is the Lightning release every
-entry was checked against; ``tests/test_lightning_private.py`` checks that each entry of
+entry was checked against; ``tests/inprocess/test_lightning_private.py`` checks that each entry of
 :data:`PRIVATE` still exists in the installed Lightning, so an upgrade that moves one
 fails there, naming it, instead of deep inside a training run. Adding a private use
 means adding its row here.

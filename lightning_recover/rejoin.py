@@ -524,11 +524,19 @@ class Recruiter:
             if idle is None:
                 break
             self._seat(idle, r)
-        # One standby starts at a time: on hosts whose cores the training ranks use, two importing
+        started = 0
+        # While the job sets up, every standby starts at once: their imports overlap the job's own
+        # start-up, and a loss in the first steps finds them all ready or nearly (one after the other,
+        # the second was ready 7 s after an early loss, where torchft's restart takes 5 s). During
+        # training one starts at a time: on hosts whose cores the training ranks use, two importing
         # torch at once would both be ready late, where one after the other has the first ready early.
         while (len(self.pool) < self.standbys and self.standby_failures < self.attempts
-               and all(len(sb.warm) == self.shards for sb in self.pool)):
+               and (not training or all(len(sb.warm) == self.shards for sb in self.pool))):
             self._spawn_standby()
+            started += 1
+        if started and not training:
+            print(f"[lightning-recover] {started} warm standby(s) starting while the job sets up (recover.rejoin_standbys)",
+                  file=sys.stderr, flush=True)
 
     def _forget(self, sb: Standby, reason: str) -> None:
         if sb in self.pool:
@@ -557,15 +565,20 @@ class Recruiter:
                 "spawned_at": sb.spawned_at, "yield_cpu": mpi_wait.polite() and self._training, "timeout_s": self.timeout_s}
         args = ["-m", "lightning_recover.joiner", "--standby", json.dumps(spec), *self.argv]
         info = self._spawn_info()
+        # Spawn is collective over its communicator: standbys spawned at once from their own threads
+        # must not share one (two collectives in flight on one communicator are erroneous in MPI).
+        parent = MPI.COMM_SELF.Dup()
 
         def spawn() -> None:
             try:
-                inter = MPI.COMM_SELF.Spawn(sys.executable, args=args, maxprocs=self.shards, info=info, root=0)
+                inter = parent.Spawn(sys.executable, args=args, maxprocs=self.shards, info=info, root=0)
                 link = inter.Merge(high=False)
                 link.Set_errhandler(MPI.ERRORS_RETURN)
                 sb.link = link
             except MPI.Exception as exc:
                 sb.error = f"spawn failed: {exc.Get_error_string()}"
+            finally:
+                parent.Free()
 
         sb.thread = threading.Thread(target=spawn, name=f"lightning-recover-standby-{sb.number}", daemon=True)
         self.pool.append(sb)

@@ -23,7 +23,7 @@ hosts, the policy and what one ``mpiexec`` run left behind (the ranks' status ma
 the tail of its output, whether the stall watchdog ended it) it decides *done*,
 *relaunch on these hosts with this many ranks after this backoff*, or *give up, and why*.
 It imports neither MPI nor torch, runs nothing and sleeps nowhere, so every rule is a
-property test (tests/test_supervision.py).
+property test (tests/inprocess/test_supervision.py).
 
 Decision rules (:func:`decide`), in this order:
 

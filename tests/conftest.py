@@ -1,4 +1,5 @@
-"""Test set-up: import paths for the harness, the workers and benchmarks/; the session's local Slurm; fake hosts."""
+"""Test set-up for both folders (inprocess/, launched/): import paths for the harness and the
+workers; the session's local Slurm; fake hosts."""
 
 from __future__ import annotations
 
@@ -12,24 +13,23 @@ import pytest
 from lightning_recover.testing.fake_cluster import FakeCluster, cleanup_stale
 
 HERE = Path(__file__).resolve().parent
-# mpirun.py (the launcher harness) and the worker modules are imported by the tests, and so
-# are the checkout's tools that are not part of the installed package (benchmarks/: the
-# chaos campaign, the goodput model and the benchmark scripts).
-sys.path.insert(0, str(HERE.parent / "benchmarks"))
+# The harness package (tests/harness: launched jobs, Slurm, fake-host probes) and the worker
+# modules are imported by the tests of both folders. benchmarks/ is not put here: the few
+# tests of benchmark scripts say so themselves (harness.benchmark_scripts).
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE / "workers"))
 
 if TYPE_CHECKING:
-    from slurm_cluster import LocalSlurm
+    from harness.slurm_cluster import LocalSlurm
 
 
 @pytest.fixture(scope="session")
 def slurm() -> Iterator[LocalSlurm]:
-    """A real one-node Slurm (tests/slurm_cluster.py), started once for the session and always stopped.
+    """A real one-node Slurm (tests/harness/slurm_cluster.py), started once for the session and always stopped.
 
     No Slurm here is an error naming the fix (apt-get install -y slurmctld slurmd slurm-client), never a skip.
     """
-    from slurm_cluster import LocalSlurm
+    from harness.slurm_cluster import LocalSlurm
 
     with LocalSlurm() as cluster:
         yield cluster

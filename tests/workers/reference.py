@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
-from chaos import reference_run as _reference_run
-from train_worker import parse
+# The reference lives with the chaos campaign's job (benchmarks/ is scripts, not an installed package).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from chaos import reference_run as _reference_run  # noqa: E402
+from train_worker import parse  # noqa: E402
 
 
 def reference_run(argv: list[str], replicas: int) -> tuple[list[float], dict[str, torch.Tensor]]:

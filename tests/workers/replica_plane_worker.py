@@ -8,7 +8,7 @@ rank writes ``rank{R}.json``; a rank that dies writes nothing.
 * ``kill``: the last rank of the last replica SIGKILLs itself before an all-gather; its
   mates must get ReplicaPlaneError (not hang), the other replicas go on gathering. (A
   SIGSTOPped mate is first killed by the strategy's heartbeat watchdog: that case runs in
-  tests/test_strategy_mpi.py.)
+  tests/launched/test_strategy_mpi.py.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,284 @@
+"""The one configuration object (lightning_recover.config): every rule, its message, and properties."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lightning_recover.config import POLICY_NAMES, CheckpointConfig, ConfigurationError, RecoverConfig
+
+
+def refused(**kwargs: Any) -> str:
+    """The one-line message RecoverConfig(**kwargs) is refused with."""
+    with pytest.raises(ConfigurationError) as info:
+        RecoverConfig(**kwargs)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# ---------------------------------------------------------------------- field rules
+@pytest.mark.parametrize(
+    ("field", "value", "needles"),
+    [
+        ("shards", 0, ["shards must be a positive integer, got 0", "recover.shards=0", "set recover.shards to the ranks per replica"]),
+        ("shards", 2.0, ["shards must be an integer, got 2.0", "set recover.shards"]),
+        ("shards", "2", ["shards must be an integer, got '2'"]),
+        ("grad_accum", 0, ["grad_accum must be >= 1, got 0", "recover.grad_accum=0", "set recover.grad_accum to a positive integer"]),
+        ("grad_accum", True, ["grad_accum must be an integer, got True", "recover.grad_accum=True"]),
+        ("target_replicas", 0, ["target_replicas must be >= 1, got 0", "recover.target_replicas=0", "or null for all"]),
+        ("target_replicas", 1.5, ["target_replicas must be an integer, got 1.5"]),
+        ("policy", "elastic", ["unknown policy 'elastic'", "recover.policy='elastic'", "use recover.policy=static or recover.policy=adaptive"]),
+        ("policy", "Static", ["unknown policy 'Static'"]),
+        ("policy", None, ["unknown policy None"]),
+        ("min_replicas", 0, ["min_replicas must be >= 1, got 0", "recover.min_replicas=0", "set recover.min_replicas to a positive integer"]),
+        ("bucket_mb", 0, ["bucket_mb must be a positive number, got 0", "recover.bucket_mb=0", "set recover.bucket_mb"]),
+        ("bucket_mb", -1.0, ["recover.bucket_mb=-1.0"]),
+        ("bucket_mb", math.inf, ["recover.bucket_mb=inf"]),
+        ("bucket_mb", math.nan, ["recover.bucket_mb=nan"]),
+        ("bucket_mb", "4", ["recover.bucket_mb='4'"]),
+        ("data_plane", "ucx", ["data_plane must be 'mpi' or 'gloo' or 'nccl', got 'ucx'", "recover.data_plane='ucx'", "set recover.data_plane=mpi (the default), gloo"]),
+        ("data_plane", "Gloo", ["recover.data_plane='Gloo'"]),
+        ("data_plane", None, ["data_plane must be 'mpi' or 'gloo' or 'nccl', got None"]),
+        ("replica_plane", "gloo", ["replica_plane must be 'auto' or 'mpi' or 'torch', got 'gloo'", "recover.replica_plane='gloo'",
+                                   "set recover.replica_plane=auto (the default), mpi (CPU) or torch"]),
+        ("ledger_path", "", ["ledger_path must be a non-empty path or null, got ''", "set recover.ledger_path to a file path, or null for no ledger"]),
+        ("ledger_path", 3, ["ledger_path must be a path or null, got 3"]),
+        ("seed", -1, ["seed must be >= 0, got -1", "recover.seed=-1", "non-negative integer"]),
+        ("seed", 1.0, ["seed must be an integer, got 1.0"]),
+        ("timeout_s", 0, ["timeout_s must be a positive number of seconds, got 0", "recover.timeout_s=0", "set recover.timeout_s"]),
+        ("timeout_s", math.inf, ["recover.timeout_s=inf"]),
+        ("hang_timeout_s", -2, ["hang_timeout_s must be >= 0 seconds (0 = off), got -2", "recover.hang_timeout_s=-2", "or null for the launcher's --hang-timeout"]),
+        ("hang_timeout_s", math.nan, ["recover.hang_timeout_s=nan"]),
+        ("hang_timeout_s", "10", ["recover.hang_timeout_s='10'"]),
+        ("stuck_timeout_s", -1.0, ["stuck_timeout_s must be >= 0 seconds (0 = off), got -1.0", "recover.stuck_timeout_s=-1.0", "or null for the hang timeout"]),
+        ("stuck_timeout_s", False, ["recover.stuck_timeout_s=False"]),
+        ("checkpoint", {"dir": "x"}, ["recover.checkpoint={'dir': 'x'} is not a CheckpointConfig", "CheckpointConfig(dir=..., every_n_steps=...)"]),
+    ],
+)
+def test_each_bad_field_is_named_with_its_fix(field: str, value: Any, needles: list[str]) -> None:
+    message = refused(**{field: value})
+    for needle in needles:
+        assert needle in message, message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needles"),
+    [
+        ({"every_n_steps": -1}, ["every_n_steps must be >= 0, got -1", "recover.checkpoint.every_n_steps=-1", "or 0 for no checkpoints"]),
+        ({"every_n_steps": "5"}, ["every_n_steps must be an integer, got '5'"]),
+        ({"every_n_steps": 3}, ["recover.checkpoint.every_n_steps=3 > 0 needs recover.checkpoint.dir", "set recover.checkpoint.dir to a directory"]),
+        ({"dir": "", "every_n_steps": 1}, ["checkpoint.dir must be a non-empty path or null, got ''", "recover.checkpoint.dir=''"]),
+        ({"dir": 7}, ["checkpoint.dir must be a path or null, got 7"]),
+    ],
+)
+def test_bad_checkpoint_settings_are_named(kwargs: dict[str, Any], needles: list[str]) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        CheckpointConfig(**kwargs)
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+
+
+def test_strategy_messages_are_kept() -> None:
+    # The wording ReCoVerHSDPStrategy's own checks used (tests/inprocess/test_strategy_config.py matches it).
+    import re
+
+    assert re.search("grad_accum must be >= 1, got 0", refused(grad_accum=0))
+    assert re.search("unknown policy 'elastic'", refused(policy="elastic"))
+    assert re.search("shards must be a positive integer, got 0", refused(shards=0))
+    assert re.search(r"stuck_timeout_s must be >= 0 seconds \(0 = off\), got -1.0", refused(stuck_timeout_s=-1.0))
+
+
+def test_one_error_type_for_bad_settings() -> None:
+    assert issubclass(ConfigurationError, ValueError)
+    from lightning_recover.policy import StaticWorld, make_policy
+
+    with pytest.raises(ConfigurationError):
+        StaticWorld(W_init=2, G_init=0)
+    with pytest.raises(ConfigurationError):
+        make_policy("elastic", 2, 1)
+
+
+def test_values_are_normalised(tmp_path: Path) -> None:
+    config = RecoverConfig(
+        shards=np.int64(2), bucket_mb=1, timeout_s=30, hang_timeout_s=0, stuck_timeout_s=5,  # type: ignore[arg-type]
+        ledger_path=tmp_path / "ledger.jsonl",  # type: ignore[arg-type]
+        checkpoint=CheckpointConfig(dir=tmp_path / "ck", every_n_steps=np.int32(3)),  # type: ignore[arg-type]
+    )
+    assert type(config.shards) is int and config.shards == 2
+    assert type(config.bucket_mb) is float and type(config.timeout_s) is float
+    assert type(config.hang_timeout_s) is float and config.hang_timeout_s == 0.0
+    assert config.ledger_path == str(tmp_path / "ledger.jsonl")
+    assert config.checkpoint == CheckpointConfig(dir=str(tmp_path / "ck"), every_n_steps=3)
+    assert config.checkpoint.enabled and not CheckpointConfig(dir="somewhere").enabled
+
+
+def test_defaults_and_frozen() -> None:
+    config = RecoverConfig()
+    assert (config.shards, config.grad_accum, config.target_replicas, config.policy, config.min_replicas) == (1, 1, None, "static", 1)
+    assert (config.bucket_mb, config.data_plane, config.ledger_path, config.seed, config.timeout_s) == (4.0, "mpi", None, 0, 60.0)
+    assert (config.hang_timeout_s, config.stuck_timeout_s, config.checkpoint) == (None, None, CheckpointConfig())
+    assert config.replica_plane == "auto"
+    assert config.bucket_bytes == 4 * 1024 * 1024
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.grad_accum = 2  # type: ignore[misc]
+    assert RecoverConfig(bucket_mb=1e-9).bucket_bytes == 4  # at least one float32 element
+    assert POLICY_NAMES == ("static", "adaptive")
+
+
+# ---------------------------------------------------------------------- builders
+def test_from_mapping_builds_the_nested_checkpoint() -> None:
+    config = RecoverConfig.from_mapping({"grad_accum": 2, "checkpoint": {"dir": "/ck", "every_n_steps": 5}})
+    assert config == RecoverConfig(grad_accum=2, checkpoint=CheckpointConfig(dir="/ck", every_n_steps=5))
+    assert RecoverConfig.from_mapping({"checkpoint": None}) == RecoverConfig()
+    assert RecoverConfig.from_mapping(dataclasses.asdict(config)) == config
+
+
+@pytest.mark.parametrize(
+    ("settings", "needle"),
+    [
+        ({"grad_acum": 2}, "recover.grad_acum is not a recover setting; remove it or use one of: shards, grad_accum"),
+        ({"checkpoint": {"every": 2}}, "recover.checkpoint.every is not a recover.checkpoint setting; remove it or use one of: dir, every_n_steps"),
+        ({"checkpoint": {"every_n_steps": 2}}, "needs recover.checkpoint.dir"),
+        (["shards"], "recover=['shards'] is not a mapping of settings"),
+    ],
+)
+def test_from_mapping_refuses_unknown_keys(settings: Any, needle: str) -> None:
+    with pytest.raises(ConfigurationError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        RecoverConfig.from_mapping(settings)
+
+
+def test_from_arguments_maps_the_strategy_keywords(tmp_path: Path) -> None:
+    config = RecoverConfig.from_arguments(grad_accum=3, checkpoint_dir=tmp_path, checkpoint_every_n_steps=2)
+    assert config == RecoverConfig(grad_accum=3, checkpoint=CheckpointConfig(dir=str(tmp_path), every_n_steps=2))
+    assert RecoverConfig.from_arguments() == RecoverConfig()
+    # A checkpoint_dir argument asks for checkpoints: it needs a period (the strategy's rule).
+    with pytest.raises(ConfigurationError, match="checkpoint_every_n_steps must be >= 1 with a checkpoint_dir, got 0; set recover.checkpoint.every_n_steps"):
+        RecoverConfig.from_arguments(checkpoint_dir=tmp_path)
+    with pytest.raises(ConfigurationError, match="needs recover.checkpoint.dir"):
+        RecoverConfig.from_arguments(checkpoint_every_n_steps=2)
+    with pytest.raises(TypeError):
+        RecoverConfig.from_arguments(grad_acum=3)
+
+
+# ---------------------------------------------------------------------- the job's size
+@pytest.mark.parametrize(
+    ("kwargs", "world", "needles"),
+    [
+        ({"shards": 3}, 4, ["recover.shards=3 does not divide the world size 4", "launch a multiple of 3 ranks", "a divisor of 4"]),
+        ({"shards": 2}, 1, ["recover.shards=2 does not divide the world size 1"]),
+        ({"target_replicas": 5}, 4, ["recover.target_replicas=5 but the job has 4 replicas (4 ranks / 1 shards)", "set recover.target_replicas <= 4"]),
+        ({"target_replicas": 2}, 1, ["target_replicas=2 but the job has 1 replicas"]),
+        ({"policy": "adaptive", "target_replicas": 2}, 4, ["recover.target_replicas=2 with recover.policy=adaptive", "set recover.target_replicas=null"]),
+        ({"min_replicas": 3, "shards": 2}, 4, ["recover.min_replicas=3 but the job has 2 replicas", "lower it or launch more ranks"]),
+        ({}, 0, ["world size must be a positive integer, got 0"]),
+    ],
+)
+def test_check_world_names_the_setting(kwargs: dict[str, Any], world: int, needles: list[str]) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        RecoverConfig(**kwargs).check_world(world)
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+
+
+def test_sizes_of_the_job() -> None:
+    config = RecoverConfig(shards=2, grad_accum=3, target_replicas=3)
+    assert (config.replicas(8), config.target(8), config.microbatches_per_step(8)) == (4, 3, 9)
+    assert RecoverConfig(grad_accum=2).microbatches_per_step(4) == 8  # T = all 4 replicas
+    RecoverConfig(policy="adaptive", target_replicas=4).check_world(4)  # T = W is no spare: allowed
+
+
+@pytest.mark.parametrize(
+    ("hang", "stuck", "launcher", "expected"),
+    [
+        (None, None, 10.0, (10.0, 10.0)),  # the launcher's default; stuck follows hang
+        (4.0, None, 10.0, (4.0, 4.0)),
+        (4.0, 30.0, 10.0, (4.0, 30.0)),
+        (None, 0.0, 10.0, (10.0, None)),  # 0 = off
+        (0.0, None, 10.0, (None, None)),  # hang detection off: stuck follows
+        (None, None, None, (None, None)),  # the launcher turned it off
+        (None, 5.0, None, (None, 5.0)),
+    ],
+)
+def test_watchdog_timeouts(hang: float | None, stuck: float | None, launcher: float | None, expected: tuple[Any, Any]) -> None:
+    assert RecoverConfig(hang_timeout_s=hang, stuck_timeout_s=stuck).watchdog_timeouts(launcher) == expected
+
+
+# ---------------------------------------------------------------------- properties
+valid_settings = st.fixed_dictionaries(
+    {
+        "shards": st.integers(1, 8),
+        "grad_accum": st.integers(1, 64),
+        "target_replicas": st.none() | st.integers(1, 16),
+        "policy": st.sampled_from(POLICY_NAMES),
+        "min_replicas": st.integers(1, 16),
+        "bucket_mb": st.floats(1e-6, 1e4) | st.integers(1, 100),
+        "ledger_path": st.none() | st.text(min_size=1, max_size=20).filter(lambda t: "\x00" not in t),
+        "seed": st.integers(0, 2**63),
+        "timeout_s": st.floats(1e-3, 1e6),
+        "hang_timeout_s": st.none() | st.floats(0, 1e6) | st.just(math.inf),
+        "stuck_timeout_s": st.none() | st.floats(0, 1e6),
+    }
+)
+
+
+@given(valid_settings, st.none() | st.integers(1, 1000))
+def test_any_valid_combination_constructs_and_round_trips(settings: dict[str, Any], every: int | None) -> None:
+    checkpoint = CheckpointConfig() if every is None else CheckpointConfig(dir="ck", every_n_steps=every)
+    config = RecoverConfig(**settings, checkpoint=checkpoint)
+    assert RecoverConfig.from_mapping(dataclasses.asdict(config)) == config
+    assert dataclasses.replace(config) == config
+
+
+@given(valid_settings, st.integers(1, 64))
+def test_check_world_accepts_exactly_the_jobs_that_fit(settings: dict[str, Any], world: int) -> None:
+    config = RecoverConfig(**settings)
+    divides = world % config.shards == 0
+    replicas = world // config.shards
+    target = config.target_replicas
+    fits = divides and (target is None or target <= replicas) and config.min_replicas <= replicas
+    if config.policy == "adaptive":
+        fits = fits and target in (None, replicas)
+    try:
+        config.check_world(world)
+    except ConfigurationError as exc:
+        assert not fits, exc
+        assert "recover." in str(exc) and "; " in str(exc)  # names the setting, then the fix
+    else:
+        assert fits
+        assert config.microbatches_per_step(world) == (target or replicas) * config.grad_accum
+
+
+@given(st.sampled_from(["shards", "grad_accum", "min_replicas", "target_replicas"]), st.integers(-10**6, 0))
+def test_any_integer_below_one_is_refused_by_name(field: str, value: int) -> None:
+    message = refused(**{field: value})
+    assert f"recover.{field}={value}" in message and f"set recover.{field}" in message
+
+
+@given(st.sampled_from(["hang_timeout_s", "stuck_timeout_s", "timeout_s", "bucket_mb"]), st.floats(max_value=-1e-9) | st.just(math.nan))
+def test_any_negative_duration_or_size_is_refused_by_name(field: str, value: float) -> None:
+    message = refused(**{field: value})
+    assert f"recover.{field}={value!r}" in message and f"set recover.{field}" in message
+
+
+def test_import_is_pure_and_fast() -> None:
+    # Launchers and Hydra scripts validate settings before any heavy layer loads.
+    code = (
+        "import sys, time; t = time.perf_counter(); import lightning_recover.config, lightning_recover.policy; "
+        "dt = time.perf_counter() - t; heavy = [m for m in ('torch', 'mpi4py', 'lightning', 'omegaconf', 'numpy') if m in sys.modules]; "
+        "print(heavy, dt)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=dict(os.environ)).stdout
+    heavy, seconds = out.rsplit(" ", 1)
+    assert heavy == "[]", out
+    assert float(seconds) < 0.5, out
