@@ -23,14 +23,15 @@ Modules and packages, bottom up (``tests/inprocess/test_package_maps.py`` keeps 
   ledger        one JSON line per committed step, the leader's writer, the checker
   report        lightning-recover report: a run's story from its ledger
   corruption    silent-data-corruption fingerprints (pure)
-  recovery      layer 2: the step engine, its communicator contract, hooks and a fake world
+  recovery      layer 2: the step engine, its communicator contract, hooks, a fake world, the job
   process_group the "ulfm" torch.distributed group over layer 1 (strategy.replica_group)
   rejoin        hot re-join, the survivors' side: recruiter, standbys, admission, state transfer
   joiner        hot re-join, the replacement's side: merge, admission, then the user's script
+  membership    hot re-join as a running job runs it: survivors admit, a replacement joins
   loggers       logs (CSV, TensorBoard) that survive a change of leader
   callbacks     recovery callbacks (reduction buffers, epoch and corruption checks, boundary
                 scheduling), fault injection, fallback checkpoints
-  strategies    the Lightning strategy: Lightning's hooks, delegating to the step engine
+  strategies    the Lightning strategy: Lightning's hooks, delegating to the job and the engine
   supervision   supervised relaunch (pure): why a run ended, where it goes next
   slurm         Slurm: the allocation's hosts, refusing a direct srun
   launcher      lightning-recover launch: mpiexec with ULFM, markers, supervised relaunch
