@@ -12,8 +12,11 @@ The engine runs against three small contracts, so it needs neither Lightning nor
 One step, as every rank of every live replica runs it::
 
     begin(step)                      the policy plans the step for the live replicas
-    run(runner, ...)                 compute this replica's planned microbatches; before the
-                                     last one's backward, start_overlap(runner) (optional):
+    run(runner, ...)                 compute this replica's planned microbatches (a framework
+                                     that runs the first itself: start_planned, run_planned;
+                                     before_backward says when to sync inside the replica);
+                                     before the last one's backward, start_overlap(runner)
+                                     (optional):
         on_before_overlap                callbacks may keep this step's reduction synchronous
         on_before_reduce                 callbacks pick what is sent and where sums land
         reduce in buckets                in a helper thread, each bucket once backward made it
