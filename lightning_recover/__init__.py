@@ -12,9 +12,10 @@ Layers, bottom up: a module imports only from its own layer or the ones listed b
   audit       the step ledger, its report, corruption fingerprints, write fences
   runtime     a rank's process: start and end, status markers, Slurm, the hang watchdog
   comm        layer 1: ULFM collectives and membership, data planes, the "ulfm" process group
-  recovery    layer 2: the step engine, its state and hooks, the overlapped reduction
-  feed        exactly-once data: the microbatch feed and the evaluation split
   membership  hot re-join: the survivors' side and the replacement's side
+  recovery    layer 2: the step engine, its state and hooks, the overlapped reduction, the
+              running job (RecoveryJob) and the admission of replacements at a boundary
+  feed        exactly-once data: the microbatch feed and the evaluation split
   callbacks   recovery callbacks, fault injection, fallback checkpoints, leader-safe loggers
   strategies  the Lightning strategy: Lightning's hooks, delegating to the step engine
   testing     the simulated world, fake hosts on one machine, the host-fault harness

@@ -2,9 +2,11 @@
 
 Role: the one place that says, for each exception class, whether the recovery protocol
 handles it or it reaches the user -- the contract the strategy, the engine and the
-launcher keep. This module imports nothing of the package (every layer may import it);
-the classes stay in the modules that raise them and name :class:`RecoverError` as a base
-(beside their old one, so ``except ValueError`` in user code keeps working).
+launcher keep (where each fate arises in a running job, and when in its lifecycle:
+:mod:`lightning_recover.recovery.job`). This module imports nothing of the package (every
+layer may import it); the classes stay in the modules that raise them and name
+:class:`RecoverError` as a base (beside their old one, so ``except ValueError`` in user
+code keeps working).
 ``tests/inprocess/test_errors.py`` checks that every exception class of the package is listed here
 with its true base.
 

@@ -12,8 +12,11 @@ The engine runs against three small contracts, so it needs neither Lightning nor
 One step, as every rank of every live replica runs it::
 
     begin(step)                      the policy plans the step for the live replicas
-    run(runner, ...)                 compute this replica's planned microbatches; before the
-                                     last one's backward, start_overlap(runner) (optional):
+    run(runner, ...)                 compute this replica's planned microbatches (a framework
+                                     that runs the first itself: start_planned, run_planned;
+                                     before_backward says when to sync inside the replica);
+                                     before the last one's backward, start_overlap(runner)
+                                     (optional):
         on_before_overlap                callbacks may keep this step's reduction synchronous
         on_before_reduce                 callbacks pick what is sent and where sums land
         reduce in buckets                in a helper thread, each bucket once backward made it
@@ -134,6 +137,9 @@ class StepEngine:
         self._joins: dict[int, Join] = {}
         # Runs every step's overlapped round (one thread for the job, not one per step).
         self._helper = HelperThread()
+        # Inside the step's planned run (start_planned .. run_planned), and its last microbatch.
+        self._planned_phase = False
+        self._final_offset = -1
 
     # ------------------------------------------------------------------ the step
     def begin(self, step: int) -> StepState:
@@ -160,6 +166,39 @@ class StepEngine:
     def run(self, runner: MicrobatchRunner, offsets: Sequence[int]) -> None:
         for offset in offsets:
             runner.run_microbatch(offset)
+
+    # The planned run: the step's planned microbatches, before any re-plan or recovery work.
+    # Only inside it may a backward defer the in-replica reduce-scatter (see before_backward).
+    def start_planned(self) -> int:
+        """The step's planned microbatches start running; returns the first one's step-local id."""
+        st = self._current()
+        self._planned_phase, self._final_offset = True, st.mine.ids[-1]
+        return st.mine.ids[0]
+
+    def run_planned(self, runner: MicrobatchRunner) -> None:
+        """The rest of the planned run, after the first microbatch; the planned run ends."""
+        st = self._current()
+        # A repair inside the first microbatch (a collective in training_step) re-planned the step: the
+        # new plan's ids[1:] may hold the id just computed under the old one (its gradient would count
+        # twice); the boundary step in reduce_until_committed runs exactly what is missing.
+        self.run(runner, () if st.replan_pending else st.mine.ids[1:])
+        self._planned_phase = False
+
+    def before_backward(self, offset: int, *, sync_every_microbatch: bool) -> tuple[bool, bool]:
+        """Microbatch ``offset``'s backward starts: returns (sync inside the replica now, it is the planned run's last).
+
+        Deferring the in-replica reduce-scatter is safe only inside the planned run: a
+        re-plan (or a recovery microbatch) may reset the accumulator, and FSDP2's pending
+        unsharded gradient has no public way to be dropped, so from then on every backward
+        syncs (which flushes what is pending). The last planned backward is where
+        :meth:`start_overlap` belongs."""
+        st = self._current()
+        self.probes.fault_point("backward", step=st.step, microbatch=st.microbatches_run)
+        self.probes.tick()
+        st.microbatches_run += 1
+        final = self._planned_phase and not st.replan_pending and offset == self._final_offset
+        deferring = self._planned_phase and not st.replan_pending and not sync_every_microbatch
+        return final or not deferring, final
 
     def start_overlap(self, runner: MicrobatchRunner) -> OverlappedReduction | None:
         """Before the step's last planned backward: start reducing buckets as backward makes them.

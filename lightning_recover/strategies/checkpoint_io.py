@@ -32,6 +32,7 @@ import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -268,3 +269,54 @@ def load_into(
     if optimizer_states:
         target[OPTIMIZER_KEY] = {str(i): osd for i, osd in enumerate(optimizer_states)}
     dcp.load(target, checkpoint_id=os.fspath(dcp_dir), process_group=group, no_dist=not dist.is_initialized())
+
+
+# The strategy's checkpoint hooks: the model's and optimizers' state as FSDP2-aware state dicts
+# (DTensor shards where the model is sharded), so DCP saves and loads shards, never full copies.
+def model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's state dict (DTensor shards: references; a save stages the copy)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model)
+
+
+def load_model_state(model: torch.nn.Module, state_dict: Mapping[str, Any], strict: bool) -> None:
+    """Load ``state_dict`` (full or sharded) into ``model``'s shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, dict(state_dict), options=StateDictOptions(strict=strict))
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """``optimizer``'s state dict over ``model``'s shards."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer)
+
+
+def load_optimizer_states(model: torch.nn.Module, optimizers: Sequence[Any], states: Sequence[dict[str, Any]]) -> None:
+    """Load each optimizer's state dict (in order) over ``model``'s shards."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    for opt, state in zip(optimizers, states):
+        set_optimizer_state_dict(model, opt, state)
+
+
+def load(
+    path: str | os.PathLike[str], model: torch.nn.Module, optimizers: Sequence[Any], *, fitting: bool,
+    guard: Callable[[], AbstractContextManager[None]],
+) -> dict[str, Any]:
+    """A checkpoint as Lightning loads it: its keys from the file, the model's (and, when ``fitting`` with
+    ``optimizers``, their) state from its DCP directory, resharded to ``model``'s layout; ``guard`` wraps the read."""
+    checkpoint, dcp_dir = read_checkpoint(path)
+    fitting = fitting and bool(optimizers)
+    if fitting and checkpoint[STATE_KEY].get("optimizers", 0) < len(optimizers):
+        fitting = False  # a weights-only checkpoint: Lightning itself refuses to resume training from it
+    state = model_state(model)
+    optimizer_states = [optimizer_state(model, opt) for opt in optimizers] if fitting else []
+    with guard():
+        load_into(dcp_dir, state, optimizer_states)
+    checkpoint["state_dict"] = state
+    if fitting:
+        checkpoint["optimizer_states"] = optimizer_states
+    return checkpoint

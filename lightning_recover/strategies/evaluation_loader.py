@@ -22,10 +22,21 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from lightning_recover.comm.interface import RepairResult
 from lightning_recover.feed.evaluation import Batches, EvaluationPlan
+
+
+def splittable(dataloader: object) -> bool:
+    """A DataLoader over a map-style dataset: evaluation can split it by sample index."""
+    dataset = getattr(dataloader, "dataset", None)
+    return (
+        isinstance(dataloader, torch.utils.data.DataLoader)
+        and not isinstance(dataset, torch.utils.data.IterableDataset)
+        and hasattr(dataset, "__len__")
+    )
 
 
 class EvaluationLoader:
@@ -78,3 +89,35 @@ class EvaluationLoader:
                 res = comm.repair()
             self.repaired(res)
             plan.lose(res.lost_replicas, comm.alive_replicas)
+
+
+class EvaluationSteps:
+    """The strategy's validation, test and predict steps: a fault point per batch, guarded, counted.
+
+    ``probes()``: the job's probes (None before the job starts); ``guard(phase)``: the
+    strategy's ``replica_guard``, so a replica-mate's death ends this replica through the gate."""
+
+    def __init__(self, probes: Callable[[], Any], guard: Callable[[str], AbstractContextManager[None]]) -> None:
+        self._probes = probes
+        self._guard = guard
+        self._batches = 0
+        #: Inside an evaluation step: ranks evaluate different numbers of batches, so no lockstep collectives.
+        self.active = False
+
+    def start(self) -> None:
+        """A validation, test or predict loop starts: its batches count from 0."""
+        self._batches = 0
+
+    def run(self, phase: str, trainer: Any, step_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One evaluation batch of this rank's share (:class:`EvaluationLoader`)."""
+        probes = self._probes()
+        if probes is not None and not trainer.sanity_checking:
+            probes.fault_point(phase, step=trainer.global_step, microbatch=self._batches)
+            probes.tick()
+        self._batches += 1
+        self.active = True
+        try:
+            with self._guard(phase):
+                return step_fn(*args, **kwargs)
+        finally:
+            self.active = False

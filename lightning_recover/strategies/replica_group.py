@@ -10,13 +10,15 @@ replica-mate died, which the replica-consistency gate turns into a clean exit.
 from __future__ import annotations
 
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from lightning_recover.comm import netaddr
+from lightning_recover.runtime import lifecycle
 from lightning_recover.comm.communicator import FaultTolerantComm
 from lightning_recover.comm.replica_plane import ReplicaPlaneError
 
@@ -55,3 +57,17 @@ def is_comm_error(exc: BaseException) -> bool:
         return True
     text = str(exc).lower()
     return any(k in text for k in ("gloo", "connection closed", "connection reset", "broken pipe", "nccl"))
+
+
+@contextmanager
+def replica_guard(where: str, comm: Callable[[], FaultTolerantComm | None], shards: int) -> Iterator[None]:
+    """A communication error inside the replica means a replica-mate died: leave via the gate.
+
+    ``comm()``: this rank's communicator (None before the job started: nothing to guard)."""
+    try:
+        yield
+    except Exception as exc:
+        rank_comm = comm()
+        if shards > 1 and rank_comm is not None and is_comm_error(exc):
+            lifecycle.gate_exit(rank_comm.rank, f"replica-local collective failed during {where}: {exc}")
+        raise

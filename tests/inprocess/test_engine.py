@@ -684,3 +684,36 @@ def test_the_overlap_helper_thread_is_reused_across_steps() -> None:
         helper.submit(lambda: None)
     gate.set()
     assert done.wait(10)
+
+
+def test_only_the_planned_run_defers_the_in_replica_sync_and_its_last_backward_overlaps() -> None:
+    # The strategy's backward asks the engine: (sync inside the replica now, start the overlapped reduction).
+    world = FakeWorld(1, bucket_numel=BUCKET_NUMEL)
+    engine = StepEngine(world.comm(0), make_policy("static", 1, 3))
+    state = engine.begin(0)
+    ids = state.mine.ids
+    assert len(ids) == 3 and engine.start_planned() == ids[0]
+    assert engine.before_backward(ids[0], sync_every_microbatch=False) == (False, False)
+    assert engine.before_backward(ids[1], sync_every_microbatch=True) == (True, False)
+    assert engine.before_backward(ids[2], sync_every_microbatch=False) == (True, True)
+    assert state.microbatches_run == 3
+    state.replan_pending = True  # a repair re-planned the step: every backward syncs, none starts the overlap
+    assert engine.before_backward(ids[2], sync_every_microbatch=False) == (True, False)
+    assert engine.before_backward(ids[0], sync_every_microbatch=False) == (True, False)
+
+    ran: list[int] = []
+
+    class Runner:
+        def run_microbatch(self, offset: int) -> None:
+            ran.append(offset)
+
+        def local_grads(self) -> list[torch.Tensor]:
+            return []
+
+    engine.run_planned(Runner())
+    assert ran == [], "a re-planned step leaves what is missing to the boundary step"
+    state.replan_pending = False
+    engine.run_planned(Runner())
+    assert ran == list(ids[1:])
+    # The planned run is over: recovery microbatches always sync, and never start the overlap.
+    assert engine.before_backward(ids[2], sync_every_microbatch=False) == (True, False)

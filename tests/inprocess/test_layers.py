@@ -25,9 +25,9 @@ LAYERS: list[str] = [
     "audit",  # ledger, report, corruption fingerprints, write fences
     "runtime",  # a rank's process: lifecycle, markers, Slurm, watchdog
     "comm",  # layer 1: communicator, data planes, process group, the engine's contract
-    "recovery",  # layer 2: the step engine
+    "membership",  # hot re-join: recruiter, standbys, state transfer, the replacement's entry
+    "recovery",  # layer 2: the step engine, the running job, the admission of replacements
     "feed",  # exactly-once data
-    "membership",  # hot re-join
     "callbacks",  # Lightning callbacks (and loggers)
     "strategies",  # the Lightning strategy
     "testing",  # the simulated world, fake hosts

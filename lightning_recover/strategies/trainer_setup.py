@@ -1,0 +1,107 @@
+"""What the strategy sets up on Lightning's side before the protocol's first step.
+
+* :func:`validate_trainer`: Trainer settings the recovery protocol cannot honour are
+  refused before the first step (``ConfigurationError``, fate ``user`` in
+  :mod:`lightning_recover.errors`), each message naming the setting and the fix.
+* :func:`install_callbacks`: the protocol's own callbacks (:data:`DEFAULT_CALLBACKS`, the
+  silent-corruption check, the fallback checkpoint) join ``trainer.callbacks`` unless the
+  user configured their own, before Lightning calls any callback's ``setup``.
+* :func:`job_host`: what the :class:`~lightning_recover.recovery.job.RecoveryJob` gets of
+  Lightning (the trainer's callbacks, step and loggers; the strategy's device, gates and
+  end), so the job itself imports no Lightning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from lightning.pytorch import Trainer
+
+from lightning_recover.callbacks import (
+    BoundaryScheduler,
+    BufferSync,
+    CorruptionCheck,
+    EpochCheck,
+    ReductionBuffers,
+    fallback_checkpoint,
+)
+from lightning_recover.callbacks.checkpoint import is_fallback
+from lightning_recover.config import ConfigurationError, RecoverConfig
+from lightning_recover.recovery.hooks import dispatcher
+from lightning_recover.recovery.job import JobHost
+from lightning_recover.strategies.probes import StrategyProbes
+from lightning_recover.strategies.replica_group import init_replica_group
+from lightning_recover.comm.replica_plane import resolve_replica_plane
+
+
+
+class SetupHost(Protocol):
+    """What building the job's host uses of the strategy (:class:`~lightning_recover.strategies.ReCoVerHSDPStrategy`
+    is one): a protocol rather than the class, so that the strategy may import this module."""
+
+    @property
+    def lightning_module(self) -> Any: ...
+    @property
+    def parallel_devices(self) -> Any: ...
+    @property
+    def root_device(self) -> Any: ...
+    @property
+    def evaluating_batch(self) -> bool: ...
+    def shutdown(self, exit_code: int | None = None) -> None: ...
+
+__all__ = ["DEFAULT_CALLBACKS", "install_callbacks", "job_host", "validate_trainer"]
+
+#: The protocol's own callbacks, installed when the user did not pass configured ones.
+DEFAULT_CALLBACKS = (ReductionBuffers, EpochCheck, BoundaryScheduler, BufferSync)
+
+
+def validate_trainer(trainer: Trainer, precision_plugin: Any) -> None:
+    """Refuse gradient accumulation by the Trainer, a GradScaler and manual optimization."""
+    if trainer.accumulate_grad_batches != 1:
+        raise ConfigurationError(
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches}: ReCoVerHSDPStrategy accumulates itself; "
+            "remove accumulate_grad_batches from the Trainer and set grad_accum on the strategy (recover.grad_accum)"
+        )
+    scaler = getattr(precision_plugin, "scaler", None)
+    if scaler is not None:
+        raise ConfigurationError(
+            f"precision={trainer.precision!r} uses a GradScaler, whose skipped steps would desynchronise replicas; "
+            "use precision='bf16-mixed' or '32-true'"
+        )
+    if not trainer.lightning_module.automatic_optimization:
+        raise ConfigurationError("ReCoVerHSDPStrategy needs automatic optimization (self.automatic_optimization = True)")
+
+
+def install_callbacks(trainer: Trainer, config: RecoverConfig) -> None:
+    """The protocol's callbacks (unless the user configured their own) and the fallback checkpoint."""
+    for cls in DEFAULT_CALLBACKS:
+        if not any(isinstance(c, cls) for c in trainer.callbacks):
+            trainer.callbacks.append(cls())
+    sdc = config.sdc
+    if sdc.enabled and not any(isinstance(c, CorruptionCheck) for c in trainer.callbacks):
+        trainer.callbacks.append(CorruptionCheck(sdc.every_n_steps, sdc.action))
+    ckpt = config.checkpoint
+    if ckpt.enabled and not any(is_fallback(c, ckpt.dir) for c in trainer.callbacks):  # type: ignore[arg-type]
+        trainer.callbacks.append(fallback_checkpoint(ckpt.dir, ckpt.every_n_steps))  # type: ignore[arg-type]
+
+
+def job_host(
+    strategy: SetupHost, trainer: Trainer, *, on_ranks: Callable[[], None], on_membership: Callable[[], None]
+) -> JobHost:
+    """What the job gets of Lightning: ``trainer``'s callbacks, step and loggers, and the strategy's device, gates and end."""
+    return JobHost(
+        device_type=lambda: strategy.root_device.type,
+        devices=lambda: len(strategy.parallel_devices or ()),
+        callbacks=lambda: trainer.callbacks,
+        dispatch=dispatcher(lambda: trainer.callbacks, lambda: (trainer, strategy.lightning_module)),
+        make_probes=lambda rank, watchdog: StrategyProbes(rank, watchdog, lambda: trainer.callbacks),
+        step=lambda: trainer.global_step,
+        logger_versions=lambda: [getattr(lg, "version", None) for lg in strategy.lightning_module.trainer.loggers],  # type: ignore[union-attr]
+        evaluating=lambda: strategy.evaluating_batch,
+        on_ranks=on_ranks,
+        on_membership=on_membership,
+        resolve_replica_plane=resolve_replica_plane,
+        init_replica_group=init_replica_group,
+        end_of_job=strategy.shutdown,
+    )
