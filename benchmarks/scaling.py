@@ -163,7 +163,7 @@ def victims_for(n: int, faults: int) -> list[int]:
 def run_job(n: int, args: argparse.Namespace, outdir: Path) -> dict[str, Any]:
     """Launch one N-rank job of scaling_rank.py; its whole process tree is gone when this returns."""
     outdir.mkdir(parents=True, exist_ok=True)
-    from lightning_recover.cli.launcher import launch_env
+    from lightning_recover.cli.mpiexec import launch_env
 
     victims = victims_for(n, args.faults)
     # 64 ranks importing torch on 2 busy cores took 2-5 minutes to start here
