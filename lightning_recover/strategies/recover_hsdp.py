@@ -97,7 +97,8 @@ from lightning_recover.strategies.sharding import (
     shard_model,
 )
 from lightning_recover.strategies.step_logs import StepLogs
-from lightning_recover.workload.policy import WorkloadPolicy, make_policy
+from lightning_recover.workload.factory import make_policy
+from lightning_recover.workload.policy import WorkloadPolicy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
