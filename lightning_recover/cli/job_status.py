@@ -6,8 +6,9 @@ when its side of a failure lost the quorum), ``raised`` and the last world's ``d
 With ULFM, mpiexec reports 0 even when every rank died by a signal (each death is a
 "recoverable" failure), so the launcher judges a job by these markers instead:
 :class:`JobMarkers` reads them, and :func:`final_words` turns them into the job's status
-(1 when ranks started but none ended on purpose, :data:`NO_QUORUM_STATUS` when they stopped
-for want of a quorum) and one line saying whether the program raised or the replicas died.
+(non-zero -- mpiexec's, else 1 -- when ranks started but none ended on purpose,
+:data:`NO_QUORUM_STATUS` when they stopped for want of a quorum and none finished) and one
+line saying whether the program raised or the replicas died.
 """
 
 from __future__ import annotations
