@@ -277,7 +277,8 @@ def reference_run(B: int, steps: int, seed: int, samples_per_microbatch: int = S
 
 def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) -> Outcome:
     from lightning_recover.audit.ledger import LedgerWriter, check_ledger, read_ledger
-    from lightning_recover.cli.launcher import RUNTIME_START_FAILURE, build_command, launch_env, run_supervised
+    from lightning_recover.cli.mpiexec import build_command, launch_env
+    from lightning_recover.cli.runner import RUNTIME_START_FAILURE, run_supervised
 
     if outdir.exists():
         shutil.rmtree(outdir)  # a result file left by an earlier campaign must never count as a survivor

@@ -89,7 +89,7 @@ def launch(job_args: list[str], outdir: Path, timeout: float, *, ft: bool = True
     ``ft=True``: ``lightning-recover launch`` (mpiexec --with-ft ulfm). ``ft=False``: plain
     ``mpiexec`` without fault tolerance, so one rank's death aborts the whole job.
     """
-    from lightning_recover.cli.launcher import build_command, launch_env
+    from lightning_recover.cli.mpiexec import build_command, launch_env
 
     outdir.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, str(JOB), *job_args, "--out", str(outdir)]

@@ -217,7 +217,7 @@ class Killer:
 
 
 def job_env() -> dict[str, str]:
-    from lightning_recover.cli.launcher import launch_env
+    from lightning_recover.cli.mpiexec import launch_env
 
     env = launch_env()
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),

@@ -35,7 +35,7 @@ printed as a table with its fitted growth:
    64 ranks on 2 cores their time is mostly the scheduler's, and the curve measures this
    machine, not a cluster with a core per rank.
 
-2. **The policy's planning time** (pure: :class:`lightning_recover.workload.policy.StaticWorld`, no
+2. **The policy's planning time** (pure: :class:`lightning_recover.workload.static_world.StaticWorld`, no
    MPI) at ``--plan-replicas`` W (10^3-10^5), G_init = 2, T = W (no spares, so a loss is a
    boundary step that replays its ids over every survivor, the policy's costliest path):
    ``begin_step`` over W live replicas, ``fail`` of one contributor, ``commit``; the median of
@@ -163,7 +163,7 @@ def victims_for(n: int, faults: int) -> list[int]:
 def run_job(n: int, args: argparse.Namespace, outdir: Path) -> dict[str, Any]:
     """Launch one N-rank job of scaling_rank.py; its whole process tree is gone when this returns."""
     outdir.mkdir(parents=True, exist_ok=True)
-    from lightning_recover.cli.launcher import launch_env
+    from lightning_recover.cli.mpiexec import launch_env
 
     victims = victims_for(n, args.faults)
     # 64 ranks importing torch on 2 busy cores took 2-5 minutes to start here
@@ -262,7 +262,7 @@ def pool(points: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- policy
 def time_planning(W: int, reps: int, G_init: int = 2) -> dict[str, Any]:
     """Median seconds of one faulty step's planning at W replicas (see the module docstring)."""
-    from lightning_recover.workload.policy import StaticWorld
+    from lightning_recover.workload.static_world import StaticWorld
 
     rows: list[dict[str, float]] = []
     for _ in range(reps):
@@ -286,7 +286,7 @@ def time_planning(W: int, reps: int, G_init: int = 2) -> dict[str, Any]:
 def ledger_line(B: int, W: int, fault: bool, path: Path) -> dict[str, Any]:
     """Bytes and write time of one ledger line at B = W * G (fault: one contributor lost in the step)."""
     from lightning_recover.audit.ledger import LedgerWriter
-    from lightning_recover.workload.policy import StaticWorld
+    from lightning_recover.workload.static_world import StaticWorld
 
     if B % W:
         raise ValueError(f"B={B} must be a multiple of W={W}")

@@ -41,7 +41,7 @@ __all__ = [
     "SDCConfig",
 ]
 
-# Workload policies by config name (built by lightning_recover.workload.policy.make_policy).
+# Workload policies by config name (built by lightning_recover.workload.factory.make_policy).
 POLICY_NAMES: tuple[str, ...] = ("static", "adaptive")
 # Transports of the cross-replica gradient buckets (lightning_recover.comm.data_plane); the first is the default.
 DATA_PLANES: tuple[str, ...] = ("mpi", "gloo", "nccl")

@@ -59,15 +59,15 @@ ERRORS: dict[str, ErrorFate] = {
         "repaired", "a peer died during a collective; the survivors repair and redo the step in place"),
     "lightning_recover.comm.replica_plane:ReplicaPlaneError": ErrorFate(
         "gate", "a replica-local collective failed (a replica-mate died): this replica leaves, the others go on"),
-    "lightning_recover.workload.policy:TooFewReplicasError": ErrorFate(
+    "lightning_recover.workload.step_plan:TooFewReplicasError": ErrorFate(
         "stop", "fewer live replicas than min_replicas: stop with shutdown(exit_code=3) and relaunch from the newest checkpoint"),
     "lightning_recover.config:ConfigurationError": ErrorFate(
         "user", "a setting is wrong; the message names it and the fix (raised before the first step)"),
     "lightning_recover.comm.communicator:ULFMUnavailableError": ErrorFate(
         "user", "the MPI has no working fault tolerance (a trial revoke failed): install Open MPI 5 with ULFM, launch with --with-ft ulfm"),
-    "lightning_recover.workload.policy:PolicyError": ErrorFate(
+    "lightning_recover.workload.step_plan:PolicyError": ErrorFate(
         "user", "the workload policy was asked for something impossible (e.g. B not divisible); the message names it"),
-    "lightning_recover.workload.policy:ReplicaNotLiveError": ErrorFate(
+    "lightning_recover.workload.step_plan:ReplicaNotLiveError": ErrorFate(
         "user", "a bug: the policy was asked about a replica that is not live; report it with the traceback"),
     "lightning_recover.comm.data_plane:DataPlaneError": ErrorFate(
         "user", "a data-plane transport error the control plane did not confirm as a peer failure (e.g. a network fault)"),

@@ -30,7 +30,8 @@ lost is printed (detection, relaunch, restore, replay since the checkpoint).
 
 
 def _launch(argv: list[str]) -> int:
-    from lightning_recover.cli.launcher import DEFAULT_RESUME_ARG, launch, slurm_allocation, supervise
+    from lightning_recover.cli.hosts import slurm_allocation
+    from lightning_recover.cli.launcher import DEFAULT_RESUME_ARG, launch, supervise
     from lightning_recover.cli.supervision import SupervisionPolicy, parse_host_list, parse_hostfile
     from lightning_recover.runtime.slurm import allocation_tasks, tasks_outnumber_cpus
 

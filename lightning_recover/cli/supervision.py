@@ -77,7 +77,7 @@ DAEMON_START_FAILURES = (
     "was unable to reliably start one or more daemons", "PRTE daemon has unexpectedly failed after launch", DAEMON_REPORT_FAILURE,
 )
 _REMOTE_HOST = re.compile(r"Remote host:\s+(\S+)")
-#: Open MPI 5's PMIx listener race (see lightning_recover.cli.launcher.RUNTIME_START_FAILURE): no rank ran.
+#: Open MPI 5's PMIx listener race (see lightning_recover.cli.runner.RUNTIME_START_FAILURE): no rank ran.
 RUNTIME_START_FAILURE = "The PMIx server's listener thread failed to start"
 #: The status a job ends with when fewer than ``min_replicas`` replicas are alive (the strategy's
 #: policy stop, ``end_job(comm, 3)``; examples/pretrain.py exits with it): a relaunch restores replicas.

@@ -43,7 +43,9 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_recover.workload.policy import TooFewReplicasError, WorkloadPolicy, make_policy
+from lightning_recover.workload.factory import make_policy
+from lightning_recover.workload.policy import WorkloadPolicy
+from lightning_recover.workload.step_plan import TooFewReplicasError
 
 __all__ = [
     "Delivered",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_recover.comm.buckets import ReduceHandle
-from lightning_recover.workload.policy import ReplicaPlan, StepPlan
+from lightning_recover.workload.step_plan import ReplicaPlan, StepPlan
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,7 @@ GATE_MESSAGE = "replica-consistency gate"
 #: Signal a rank raises on itself when its side of a failure has no quorum (see :func:`quorum_exit`).
 QUORUM_SIGNAL = signal.SIGUSR2
 #: The shell exit status of such a rank (128 + signal number); the launcher reports the job
-#: as :data:`lightning_recover.cli.launcher.NO_QUORUM_STATUS` when no rank finished.
+#: as :data:`lightning_recover.cli.job_status.NO_QUORUM_STATUS` when no rank finished.
 QUORUM_EXIT_CODE = 128 + int(QUORUM_SIGNAL)
 #: The words every quorum exit prints on stderr, and the start of its ``exited`` marker.
 QUORUM_MESSAGE = QUORUM_MARKER

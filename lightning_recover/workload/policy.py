@@ -1,14 +1,17 @@
-"""Versatile workload policies: who computes which microbatches of a step (layer 3).
+"""Versatile workload policies: who computes which microbatches of a step (layer 3); the protocol and its base class.
 
 Every rank of every replica calls the same policy with the same membership events
-(`begin_step`, `fail`, `commit`) and derives the same plan, with no communication: the
-plan is a pure function of (W_init, T, G_init, live set, failure sequence).
-
-`StaticWorld` is ReCoVer's policy made exactly-once: each step sums the gradients of
-exactly B = T * G_init microbatches with fixed step-local ids 0..B-1, whatever fails.
-A lost contributor is replaced by the spare that shadows it (no extra compute), or its ids
-are replayed by the survivors (a boundary step). `AdaptiveWorld` is the ablation that
-behaves like torchft: lost ids are dropped and the step divides by what survived.
+(`begin_step`, `fail`, `commit`) and derives the same plan
+(:class:`~lightning_recover.workload.step_plan.StepPlan`), with no communication: the plan
+is a pure function of (W_init, T, G_init, live set, failure sequence). :class:`WorkloadPolicy`
+is that protocol and the bookkeeping every policy shares (the live set, the faults and joins a
+step records, state_dict); the policies are
+:class:`~lightning_recover.workload.static_world.StaticWorld` (ReCoVer's policy made
+exactly-once: constant B, spares, replay) and its ablation
+:class:`~lightning_recover.workload.adaptive_world.AdaptiveWorld` (torchft-like), built by
+config name with :func:`~lightning_recover.workload.factory.make_policy`. They build their
+plans from this module's per-replica ``_Slot`` and validate their settings with
+``_check_setting``: the base's internals, shared with its subclasses only.
 
 Hot re-join (the paper's reverse role adjustment) is one more membership event,
 ``join(replicas, lost=())``, allowed only at a step boundary: after ``commit()`` and
@@ -19,83 +22,35 @@ lost (indices stay in 0..W_init-1, so a job never has more than W_init replicas)
 either already gone from the live set (its loss was seen by an earlier step), or its loss
 was only seen between steps, by a repair outside any step; then pass it in ``lost`` too,
 so the next step records that fault and the join both. The step that first includes the
-joiners lists them in its record's ``joined``. B never changes; the steady plan of the
-enlarged live set re-balances the roles: G_cur falls back towards G_init as replicas
-return, and once more than T are live the extra ones are spares again.
-
-A joiner's first step: with ``StaticWorld(join_as_spare=True)`` (the default) the
-replicas admitted at a boundary are spares for the step that follows it, shadowing a
-contributor, and the replicas that were already live carry the step exactly as they
-would have without the join; from the next step on the joiners contribute. Dying in
-that first step then costs no replay, and a contributor lost in it is covered by the
-joiner at no extra compute. With ``join_as_spare=False`` the joiners contribute at once
-when the live replicas before them cannot carry B at G_init (they are ordered after the
-replicas already live, so they are the spares when more than T are live).
-`AdaptiveWorld` has no spares: a joiner computes its own ids at once, the batch grows back.
+joiners lists them in its record's ``joined``. B never changes; how each policy gives the
+joiners work is in its own module.
 
 The module is deliberately pure Python (no torch, no MPI) so it can be tested exhaustively.
 Bad settings (sizes, T, min_replicas, the policy name, a checkpoint of other settings) raise
 :class:`lightning_recover.config.ConfigurationError`; misuse of the protocol raises
-ValueError or :class:`PolicyError`, and running out of replicas :class:`TooFewReplicasError`.
+ValueError or :class:`~lightning_recover.workload.step_plan.PolicyError`, and running out of
+replicas :class:`~lightning_recover.workload.step_plan.TooFewReplicasError`.
 """
 
 from __future__ import annotations
 
 import abc
-import enum
-import heapq
 import operator
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_recover.config import POLICY_NAMES, ConfigurationError
-from lightning_recover.errors import RecoverError
+from lightning_recover.config import ConfigurationError
+from lightning_recover.workload.step_plan import (
+    CommitRecord,
+    PolicyError,
+    ReplicaPlan,
+    Role,
+    StepPlan,
+    TooFewReplicasError,
+)
 
-__all__ = [
-    "AdaptiveWorld",
-    "CommitRecord",
-    "PolicyError",
-    "ReplicaNotLiveError",
-    "ReplicaPlan",
-    "Role",
-    "StaticWorld",
-    "StepPlan",
-    "TooFewReplicasError",
-    "WorkloadPolicy",
-    "POLICY_NAMES",
-    "make_policy",
-    "steady_quota",
-]
-
-
-class Role(str, enum.Enum):
-    """What a replica does in a step; spares compute but contribute nothing until promoted."""
-
-    MAJOR = "major"
-    MINOR = "minor"
-    MAJOR_SPARE = "major_spare"
-    MINOR_SPARE = "minor_spare"
-
-    @property
-    def is_spare(self) -> bool:
-        return self in (Role.MAJOR_SPARE, Role.MINOR_SPARE)
-
-
-class PolicyError(RecoverError, RuntimeError):
-    """Base class of the errors a workload policy raises at run time."""
-
-
-class TooFewReplicasError(PolicyError):
-    """The live replicas can no longer run the job (none left, or fewer than the minimum)."""
-
-
-class ReplicaNotLiveError(PolicyError, KeyError):
-    """A plan was asked for a replica that is not live in it."""
-
-    def __str__(self) -> str:
-        # KeyError would repr() the message; keep it readable.
-        return str(self.args[0]) if self.args else ""
+__all__ = ["WorkloadPolicy"]
 
 
 class _FrozenMap(Mapping[int, "ReplicaPlan"]):
@@ -123,109 +78,6 @@ class _FrozenMap(Mapping[int, "ReplicaPlan"]):
 
     def __setstate__(self, d: dict[int, ReplicaPlan]) -> None:
         self._d = d
-
-
-@dataclass(frozen=True)
-class ReplicaPlan:
-    """One replica's share of a step.
-
-    `ids` are the step-local microbatch offsets whose gradients this replica must hold in
-    its accumulator when the step commits; for a spare they are the ids of the contributor
-    it shadows (computed so that a promotion costs nothing).
-    """
-
-    replica: int
-    role: Role
-    ids: tuple[int, ...]
-    contributes: bool
-    shadows: int | None
-    # The replayed (boundary-step) ids among `ids`; empty in the steady state.
-    extra: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """The plan of every live replica for one step, as all ranks agree on it."""
-
-    step: int
-    B: int
-    plans: Mapping[int, ReplicaPlan]
-    divisor: int
-    G_cur: int
-    G_ext: int
-    # Step-local ids currently being replayed by survivors (the boundary step's lost set).
-    replayed: tuple[int, ...] = ()
-
-    def for_replica(self, r: int) -> ReplicaPlan:
-        try:
-            return self.plans[r]
-        except KeyError:
-            raise ReplicaNotLiveError(
-                f"replica {r} is not live in the plan of step {self.step} "
-                f"(live: {sorted(self.plans)}); it has failed or was never part of the job"
-            ) from None
-
-    @property
-    def live(self) -> tuple[int, ...]:
-        return tuple(sorted(self.plans))
-
-    @property
-    def contributors(self) -> tuple[int, ...]:
-        return tuple(r for r in sorted(self.plans) if self.plans[r].contributes)
-
-    @property
-    def committed_ids(self) -> tuple[int, ...]:
-        ids: list[int] = []
-        for p in self.plans.values():
-            if p.contributes:
-                ids.extend(p.ids)
-        return tuple(sorted(ids))
-
-
-@dataclass(frozen=True)
-class CommitRecord:
-    """What a committed step applied; the ledger line is built from it.
-
-    `faults` includes replicas found dead between the previous commit and this step's
-    begin_step; `joined` the replicas admitted in that interval (a joiner that died before
-    the step began is in both). `extra_microbatches` counts the replayed ids the committing
-    replicas hold (the boundary step's B - C_cur); a replayer that died mid-replay is not
-    counted.
-    """
-
-    step: int
-    B: int
-    committed: int
-    microbatch_ids: tuple[int, ...]
-    replicas: tuple[int, ...]
-    roles: dict[int, str]
-    faults: tuple[int, ...]
-    extra_microbatches: int
-    G_cur: int
-    #: Replicas admitted by join() at the boundary before this step (see the module docstring).
-    joined: tuple[int, ...] = ()
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (lists, string keys) for a ledger line."""
-        return {
-            "step": self.step,
-            "B": self.B,
-            "committed": self.committed,
-            "microbatch_ids": list(self.microbatch_ids),
-            "replicas": list(self.replicas),
-            "roles": {str(r): role for r, role in sorted(self.roles.items())},
-            "faults": list(self.faults),
-            "extra_microbatches": self.extra_microbatches,
-            "G_cur": self.G_cur,
-            "joined": list(self.joined),
-        }
-
-
-def steady_quota(B: int, W_cur: int, G_init: int) -> int:
-    """Smallest G >= G_init with W_cur * G >= B: the per-replica quota that keeps B constant."""
-    if W_cur < 1:
-        raise TooFewReplicasError(f"no live replicas left to carry B={B}")
-    return max(G_init, -(-B // W_cur))
 
 
 @dataclass
@@ -517,268 +369,3 @@ class WorkloadPolicy(abc.ABC):
 
     def load_state_dict(self, d: Mapping[str, Any]) -> None:
         self._load_common(d)
-
-
-class StaticWorld(WorkloadPolicy):
-    """ReCoVer's constant-B policy with exactly-once microbatch ids (see module docstring)."""
-
-    name = "static"
-
-    def __init__(
-        self,
-        W_init: int,
-        G_init: int,
-        T: int | None = None,
-        min_replicas: int = 1,
-        *,
-        join_as_spare: bool = True,
-    ) -> None:
-        if not isinstance(join_as_spare, bool):
-            raise ConfigurationError(f"join_as_spare must be True or False, got {join_as_spare!r}")
-        self.join_as_spare = join_as_spare
-        W_init = _check_setting("W_init", W_init, 1, "start at least one replica")
-        G_init = _check_setting("G_init", G_init, 1, "set recover.grad_accum to a positive integer")
-        if T is None:
-            T = W_init
-        T = _check_setting("T", T, 1, "set recover.target_replicas to at least 1 (or leave it unset)")
-        if T > W_init:
-            raise ConfigurationError(
-                f"T (target contributing replicas) must be <= W_init={W_init}, got {T}; "
-                f"lower recover.target_replicas or start more replicas"
-            )
-        min_replicas = self._check_min_replicas(min_replicas, W_init)
-        super().__init__(W_init, G_init, T, min_replicas)
-        self.G_cur = steady_quota(self.B, W_init, G_init)
-
-    def _steady_slots(self, live: list[int]) -> tuple[int, dict[int, _Slot]]:
-        B, G_init = self.B, self.G_init
-        # Replicas that were live before the boundary come first: a join never demotes them,
-        # and with join_as_spare they alone carry the joiners' first step.
-        veterans = [r for r in live if r not in self._joined]
-        live = veterans + [r for r in live if r in self._joined]
-        carriers = len(veterans) if self.join_as_spare and veterans else len(live)
-        G = steady_quota(B, carriers, G_init)
-        n_major, R = divmod(B, G)
-        slots: dict[int, _Slot] = {}
-        contributors: list[int] = []
-        for i, r in enumerate(live[:n_major]):
-            slots[r] = _Slot(Role.MAJOR, tuple(range(i * G, (i + 1) * G)), True, None)
-            contributors.append(r)
-        rest = live[n_major:]
-        if R > 0:
-            # W_cur * G >= B guarantees a replica is left for the remainder.
-            minor, rest = rest[0], rest[1:]
-            slots[minor] = _Slot(Role.MINOR, tuple(range(n_major * G, B)), True, None)
-            contributors.append(minor)
-        for j, r in enumerate(rest):
-            # Round-robin, majors first: the most expensive losses get shadows first.
-            target = contributors[j % len(contributors)]
-            tslot = slots[target]
-            role = Role.MAJOR_SPARE if tslot.role is Role.MAJOR else Role.MINOR_SPARE
-            slots[r] = _Slot(role, tslot.base, False, target)
-        return G, slots
-
-    def begin_step(self, step: int, alive: Collection[int]) -> StepPlan:
-        live = self._open(step, alive)
-        self.G_cur, self._slots = self._steady_slots(live)
-        return self._plan()
-
-    def fail(self, lost: Collection[int]) -> StepPlan:
-        newly, dead = self._lose(lost)
-        pool: list[int] = []
-        for r in newly:
-            slot = dead[r]
-            if not slot.contributes:
-                continue  # a spare's shadow work is never needed by the sum
-            # Replays held by the dead replica were never covered by anyone else.
-            pool.extend(slot.replay)
-            heirs = sorted(
-                s for s, ss in self._slots.items() if not ss.contributes and ss.shadows == r
-            )
-            if heirs:
-                heir = heirs[0]
-                self._slots[heir] = _Slot(slot.role, slot.base, True, None)
-                for s in heirs[1:]:
-                    self._slots[s].shadows = heir  # same ids, so their work stays valid
-            else:
-                pool.extend(slot.base)
-        if pool:
-            self._replay(sorted(pool))
-        return self._plan()
-
-    def _replay(self, pool: list[int]) -> None:
-        """Water-fill the lost ids over all survivors so replay counts differ by at most 1.
-
-        Survivors keep what they already hold (their accumulators stay valid); because
-        counts were balanced before, adding to the least loaded keeps them within
-        {floor, ceil} of (total replayed / W_cur), which is the boundary step's G_ext.
-        Among equals, contributors go first so spares keep shadowing as long as possible.
-        """
-        heap = [
-            (len(s.replay), not s.contributes, r) for r, s in self._slots.items()
-        ]
-        heapq.heapify(heap)
-        add = dict.fromkeys(self._slots, 0)
-        for _ in pool:
-            n, spare, r = heapq.heappop(heap)
-            add[r] += 1
-            heapq.heappush(heap, (n + 1, spare, r))
-        i = 0
-        for r in sorted(self._slots):
-            k = add[r]
-            if k == 0:
-                continue
-            slot = self._slots[r]
-            if not slot.contributes:
-                # A spare turned replayer drops its shadow: the caller discards that work.
-                slot.role, slot.base, slot.contributes, slot.shadows = Role.MINOR, (), True, None
-            slot.replay.extend(pool[i : i + k])
-            i += k
-
-    def _plan(self) -> StepPlan:
-        assert self._step is not None
-        replayed = tuple(sorted(i for s in self._slots.values() for i in s.replay))
-        W_cur = len(self._slots)
-        return StepPlan(
-            step=self._step,
-            B=self.B,
-            plans=self._frozen_plans(),
-            divisor=self.B,
-            G_cur=self.G_cur,
-            G_ext=-(-len(replayed) // W_cur) if replayed else 0,
-            replayed=replayed,
-        )
-
-    def commit(self) -> CommitRecord:
-        step = self._require_open("commit")
-        plan = self._plan()
-        ids = plan.committed_ids
-        if ids != tuple(range(self.B)):
-            # Unreachable by construction; refuse to apply a wrong sum if it ever happens.
-            missing = sorted(set(range(self.B)) - set(ids))
-            raise PolicyError(
-                f"step {step}: plan does not cover ids 0..{self.B - 1} exactly once "
-                f"(missing {missing[:10]}, {len(ids)} held); this is a bug in lightning_recover"
-            )
-        record = CommitRecord(
-            step=step,
-            B=self.B,
-            committed=len(ids),
-            microbatch_ids=tuple(step * self.B + i for i in ids),
-            replicas=plan.live,
-            roles={r: p.role.value for r, p in plan.plans.items()},
-            faults=tuple(self._faults),
-            extra_microbatches=len(plan.replayed),
-            G_cur=steady_quota(self.B, len(self._live), self.G_init),
-            joined=tuple(sorted(self._joined)),
-        )
-        self.G_cur = record.G_cur
-        self._next_step = step + 1
-        self._step = None
-        self._slots = {}
-        self._faults = []
-        self._joined = set()
-        return record
-
-    def _after_membership_change(self) -> None:
-        self.G_cur = steady_quota(self.B, len(self._live), self.G_init)
-
-    def state_dict(self) -> dict[str, Any]:
-        d = self._common_state()
-        d["G_cur"] = self.G_cur
-        d["join_as_spare"] = self.join_as_spare
-        return d
-
-    def load_state_dict(self, d: Mapping[str, Any]) -> None:
-        # A joiner must plan its first step as the survivors do.
-        if d.get("join_as_spare", self.join_as_spare) != self.join_as_spare:
-            raise ConfigurationError(
-                f"policy state has join_as_spare={d['join_as_spare']!r} but this run has "
-                f"join_as_spare={self.join_as_spare}; every replica, joiners included, must use the same setting"
-            )
-        self._load_common(d)
-        # Derived, not trusted: the quota is a function of the live set.
-        self.G_cur = steady_quota(self.B, len(self._live), self.G_init)
-
-
-class AdaptiveWorld(WorkloadPolicy):
-    """Ablation (torchft-like): fixed ownership, no spares, no replay, divide by survivors."""
-
-    name = "adaptive"
-
-    def __init__(self, W_init: int, G_init: int, min_replicas: int = 1) -> None:
-        W_init = _check_setting("W_init", W_init, 1, "start at least one replica")
-        G_init = _check_setting("G_init", G_init, 1, "set recover.grad_accum to a positive integer")
-        min_replicas = self._check_min_replicas(min_replicas, W_init)
-        super().__init__(W_init, G_init, W_init, min_replicas)
-        self.G_cur = G_init
-
-    def _own(self, r: int) -> _Slot:
-        G = self.G_init
-        return _Slot(Role.MAJOR, tuple(range(r * G, (r + 1) * G)), True, None)
-
-    def begin_step(self, step: int, alive: Collection[int]) -> StepPlan:
-        live = self._open(step, alive)
-        self._slots = {r: self._own(r) for r in live}
-        return self._plan()
-
-    def fail(self, lost: Collection[int]) -> StepPlan:
-        self._lose(lost)  # their ids are simply dropped
-        return self._plan()
-
-    def _plan(self) -> StepPlan:
-        assert self._step is not None
-        return StepPlan(
-            step=self._step,
-            B=self.B,
-            plans=self._frozen_plans(),
-            divisor=len(self._slots) * self.G_init,
-            G_cur=self.G_init,
-            G_ext=0,
-        )
-
-    def commit(self) -> CommitRecord:
-        step = self._require_open("commit")
-        plan = self._plan()
-        ids = plan.committed_ids
-        record = CommitRecord(
-            step=step,
-            B=self.B,
-            committed=len(ids),
-            microbatch_ids=tuple(step * self.B + i for i in ids),
-            replicas=plan.live,
-            roles={r: p.role.value for r, p in plan.plans.items()},
-            faults=tuple(self._faults),
-            extra_microbatches=0,
-            G_cur=self.G_init,
-            joined=tuple(sorted(self._joined)),
-        )
-        self._next_step = step + 1
-        self._step = None
-        self._slots = {}
-        self._faults = []
-        self._joined = set()
-        return record
-
-
-def make_policy(
-    name: str,
-    W_init: int,
-    G_init: int,
-    T: int | None = None,
-    min_replicas: int = 1,
-    *,
-    join_as_spare: bool = True,
-) -> WorkloadPolicy:
-    """Build a policy by its config name ("static" or "adaptive"); ``join_as_spare`` is static's only."""
-    key = name.strip().lower() if isinstance(name, str) else name
-    if key == "static":
-        return StaticWorld(W_init, G_init, T=T, min_replicas=min_replicas, join_as_spare=join_as_spare)
-    if key == "adaptive":
-        if T is not None and T != W_init:
-            raise ConfigurationError(
-                f"AdaptiveWorld has no spares, so T must equal W_init={W_init}, got T={T}; "
-                f"leave recover.target_replicas unset for the adaptive policy"
-            )
-        return AdaptiveWorld(W_init, G_init, min_replicas=min_replicas)
-    raise ConfigurationError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)} (recover.policy)")

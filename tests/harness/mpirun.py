@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lightning_recover.cli.launcher import RUNTIME_START_FAILURE
+from lightning_recover.cli.runner import RUNTIME_START_FAILURE
 
 if TYPE_CHECKING:
     from lightning_recover.testing.fake_cluster import FakeCluster

@@ -32,7 +32,7 @@ from lightning_recover.feed.loading import (
     SeededDataset,
     SteadyForecast,
 )
-from lightning_recover.workload.policy import make_policy
+from lightning_recover.workload.factory import make_policy
 
 
 class NoisyDataset(Dataset):

@@ -35,7 +35,8 @@ from lightning_recover.recovery.hooks import dispatcher
 from lightning_recover.recovery.state import StepState
 from lightning_recover.testing.fake import FakeComm, FakeWorld
 from lightning_recover.testing.fake_faults import Died, Kill
-from lightning_recover.workload.policy import TooFewReplicasError, make_policy
+from lightning_recover.workload.factory import make_policy
+from lightning_recover.workload.step_plan import TooFewReplicasError
 
 # The simulated gradients and losses, shared with test_engine_join.py so the two suites compare.
 from harness.engine_steps import BUCKET_NUMEL, SIZES, TIMEOUT_S, grad_of, loss_of

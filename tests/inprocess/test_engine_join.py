@@ -35,7 +35,8 @@ from lightning_recover.recovery.hooks import RecoveryHooks, dispatcher
 from lightning_recover.recovery.state import Join
 from lightning_recover.testing.fake import FakeComm, FakeWorld
 from lightning_recover.testing.fake_faults import Kill
-from lightning_recover.workload.policy import WorkloadPolicy, make_policy
+from lightning_recover.workload.factory import make_policy
+from lightning_recover.workload.policy import WorkloadPolicy
 
 # The same simulated gradients and losses as the step-engine suite (test_engine.py), so the two compare.
 from harness.engine_steps import BUCKET_NUMEL, SIZES, TIMEOUT_S, grad_of, loss_of

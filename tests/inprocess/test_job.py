@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_recover.config import ConfigurationError, RecoverConfig
-from lightning_recover.workload.policy import make_policy
+from lightning_recover.workload.factory import make_policy
 from lightning_recover.recovery.engine import StepEngine
 from lightning_recover.testing.fake import FakeWorld
 from lightning_recover.recovery.job import RecoveryJob

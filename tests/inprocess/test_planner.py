@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_recover.workload.planner import MicrobatchPlanner
-from lightning_recover.workload.policy import StaticWorld
+from lightning_recover.workload.static_world import StaticWorld
 
 
 def microbatch(planner: MicrobatchPlanner, mb_id: int) -> list[int]:

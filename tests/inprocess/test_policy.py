@@ -1,4 +1,4 @@
-"""Property and example tests of the versatile workload policies (lightning_recover.workload.policy)."""
+"""Property and example tests of the versatile workload policies (lightning_recover.workload: policy, static_world, adaptive_world)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from lightning_recover.config import ConfigurationError
-from lightning_recover.workload.policy import (
-    AdaptiveWorld,
-    CommitRecord,
-    PolicyError,
-    ReplicaNotLiveError,
-    Role,
-    StaticWorld,
-    StepPlan,
-    TooFewReplicasError,
-    make_policy,
-    steady_quota,
-)
+from lightning_recover.workload.adaptive_world import AdaptiveWorld
+from lightning_recover.workload.factory import make_policy
+from lightning_recover.workload.static_world import StaticWorld, steady_quota
+from lightning_recover.workload.step_plan import CommitRecord, PolicyError, ReplicaNotLiveError, Role, StepPlan, TooFewReplicasError
 
 # ---------------------------------------------------------------------------------------
 # invariant checks shared by the property tests

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning_recover.comm.process_group import ProcessGroupULFM, lockstep_refusal, new_replica_group, reduction
 from lightning_recover.comm.topology import RankLayout
 from lightning_recover.recovery.state import StepState
-from lightning_recover.workload.policy import make_policy
+from lightning_recover.workload.factory import make_policy
 
 Op = dist.ReduceOp
 

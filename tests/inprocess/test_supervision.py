@@ -284,7 +284,7 @@ def test_resume_command_replaces_the_users_value_of_the_key() -> None:
 
 
 def test_build_command_places_the_job_on_the_hosts() -> None:
-    from lightning_recover.cli.launcher import build_command
+    from lightning_recover.cli.mpiexec import build_command
 
     argv = build_command(4, ["x"], mpiexec="mpiexec", hosts="a:2,b:2", slots=4, cores=1)
     assert argv[argv.index("--host") + 1] == "a:2,b:2" and "--oversubscribe" not in argv, "slots, not this machine's cores"
@@ -293,14 +293,14 @@ def test_build_command_places_the_job_on_the_hosts() -> None:
 
 
 def test_remote_agent_is_mpiexecs() -> None:
-    from lightning_recover.cli.launcher import remote_agent
+    from lightning_recover.cli.hosts import remote_agent
 
     assert remote_agent(["--prtemca", "plm_ssh_agent", "/h/agent.sh -q", "--bind-to", "none"]) == ["/h/agent.sh", "-q"]
     assert remote_agent(["--bind-to", "none"])[0] == "ssh"
 
 
 def test_probe_never_probes_this_machine_and_reports_a_silent_host(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from lightning_recover.cli.launcher import probe_unreachable
+    from lightning_recover.cli.hosts import probe_unreachable
 
     agent = tmp_path / "agent.sh"
     agent.write_text('#!/bin/sh\n[ "$1" = up ] && exit 0\n[ "$1" = slow ] && sleep 30\nexit 255\n')
@@ -310,7 +310,7 @@ def test_probe_never_probes_this_machine_and_reports_a_silent_host(tmp_path) -> 
 
 
 def test_slurm_allocation_from_scontrol(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    from lightning_recover.cli.launcher import slurm_allocation
+    from lightning_recover.cli.hosts import slurm_allocation
 
     scontrol = tmp_path / "scontrol"
     scontrol.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames n[1-3]" ] && printf "n1\\nn2\\nn3\\n" && exit 0\nexit 1\n')

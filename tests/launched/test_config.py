@@ -101,7 +101,8 @@ def test_strategy_messages_are_kept() -> None:
 
 def test_one_error_type_for_bad_settings() -> None:
     assert issubclass(ConfigurationError, ValueError)
-    from lightning_recover.workload.policy import StaticWorld, make_policy
+    from lightning_recover.workload.factory import make_policy
+    from lightning_recover.workload.static_world import StaticWorld
 
     with pytest.raises(ConfigurationError):
         StaticWorld(W_init=2, G_init=0)
@@ -274,7 +275,7 @@ def test_any_negative_duration_or_size_is_refused_by_name(field: str, value: flo
 def test_import_is_pure_and_fast() -> None:
     # Launchers and Hydra scripts validate settings before any heavy layer loads.
     code = (
-        "import sys, time; t = time.perf_counter(); import lightning_recover.config, lightning_recover.workload.policy; "
+        "import sys, time; t = time.perf_counter(); import lightning_recover.config, lightning_recover.workload.factory; "
         "dt = time.perf_counter() - t; heavy = [m for m in ('torch', 'mpi4py', 'lightning', 'omegaconf', 'numpy') if m in sys.modules]; "
         "print(heavy, dt)"
     )

@@ -130,7 +130,7 @@ def test_kill_ranks_spares_the_daemon_and_kill_host_takes_everything() -> None:
 
 def test_the_ssh_stand_in_refuses_a_cut_off_host_and_never_answers_for_a_frozen_one() -> None:
     # What the supervisor's probe (and mpiexec starting a daemon) meets, as with ssh on a real cluster.
-    from lightning_recover.cli.launcher import probe_unreachable
+    from lightning_recover.cli.hosts import probe_unreachable
     from lightning_recover.cli.supervision import Host
 
     with FakeCluster(3) as cluster:

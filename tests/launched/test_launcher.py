@@ -12,15 +12,9 @@ from pathlib import Path
 import pytest
 
 from lightning_recover.cli import commands as cli
-from lightning_recover.cli.launcher import (
-    JobMarkers,
-    build_command,
-    detector_flags,
-    final_words,
-    find_mpiexec,
-    launch_env,
-    run_supervised,
-)
+from lightning_recover.cli.job_status import JobMarkers, final_words
+from lightning_recover.cli.mpiexec import build_command, detector_flags, find_mpiexec, launch_env
+from lightning_recover.cli.runner import run_supervised
 
 ROOT = Path(__file__).resolve().parents[2]
 MPIEXEC = "/opt/mpi/bin/mpiexec"
@@ -199,13 +193,13 @@ def test_launch_requires_n_outside_slurm(capsys: pytest.CaptureFixture, monkeypa
 
 def test_launch_inside_an_allocation_takes_its_tasks_hosts_and_runs_unbound(monkeypatch: pytest.MonkeyPatch) -> None:
     # sbatch -n 4 -O on a node with 1 CPU given to the job: what the batch script's environment holds.
-    from lightning_recover.cli import launcher
+    from lightning_recover.cli import hosts, launcher
     from lightning_recover.cli.supervision import Host
 
     for var, value in {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "localhost",
                        "SLURM_TASKS_PER_NODE": "4", "SLURM_JOB_CPUS_PER_NODE": "1"}.items():
         monkeypatch.setenv(var, value)
-    monkeypatch.setattr(launcher, "slurm_allocation", lambda: (Host("localhost", 4),))
+    monkeypatch.setattr(hosts, "slurm_allocation", lambda: (Host("localhost", 4),))
     calls: list[tuple] = []
     monkeypatch.setattr(launcher, "launch", lambda n, cmd, **kw: calls.append((n, cmd, kw)) or 0)
     assert cli.main(["launch", "--", "python", "t.py"]) == 0

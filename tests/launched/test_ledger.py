@@ -22,7 +22,7 @@ from lightning_recover.audit.ledger import (
     main,
     read_ledger,
 )
-from lightning_recover.workload.policy import StaticWorld
+from lightning_recover.workload.static_world import StaticWorld
 
 B = 8
 
@@ -453,7 +453,7 @@ def test_cli_subprocess(good: Path):
 def test_modules_import_neither_torch_nor_mpi():
     code = (
         "import sys\n"
-        "import lightning_recover.workload.policy, lightning_recover.workload.planner, lightning_recover.audit.ledger\n"
+        "import lightning_recover.workload.factory, lightning_recover.workload.planner, lightning_recover.audit.ledger\n"
         "bad = [m for m in ('torch', 'torch.distributed', 'mpi4py') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

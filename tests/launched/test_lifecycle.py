@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recover.cli.launcher import JobMarkers
+from lightning_recover.cli.job_status import JobMarkers
 from lightning_recover.runtime import lifecycle
 from lightning_recover.runtime.markers import ENV_STATUS_DIR
 

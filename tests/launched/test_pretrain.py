@@ -351,7 +351,7 @@ def bad_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
     )
     cmds["iterable"] = [sys.executable, str(driver)]
     # Plain mpiexec, without --with-ft ulfm: the job must refuse to start.
-    from lightning_recover.cli.launcher import find_mpiexec, launch_env
+    from lightning_recover.cli.mpiexec import find_mpiexec, launch_env
 
     cmds["no_ulfm"] = [find_mpiexec(), "-n", "2", sys.executable, SCRIPT, "trainer.max_steps=1", f"hydra.run.dir={tmp / 'noft'}"]
     procs = {

@@ -97,7 +97,7 @@ def main() -> None:
     with open(os.path.join(os.environ["LR_TEST_OUT"], f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
-    os._exit(0)  # no MPI_Finalize with a dead peer (see lightning_recover.cli.launcher)
+    os._exit(0)  # no MPI_Finalize with a dead peer (see lightning_recover.cli.mpiexec.launch_env)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,160 @@
+"""What the ranks' status markers say about a finished job: its exit status and the launcher's last line.
+
+Each rank of a job leaves small marker files in the launcher's status directory
+(:mod:`lightning_recover.runtime.markers`): ``started``, ``ok``, ``exited`` (``no quorum``
+when its side of a failure lost the quorum), ``raised`` and the last world's ``done``.
+With ULFM, mpiexec reports 0 even when every rank died by a signal (each death is a
+"recoverable" failure), so the launcher judges a job by these markers instead:
+:class:`JobMarkers` reads them, and :func:`final_words` turns them into the job's status
+(non-zero -- mpiexec's, else 1 -- when ranks started but none ended on purpose,
+:data:`NO_QUORUM_STATUS` when they stopped for want of a quorum and none finished) and one
+line saying whether the program raised or the replicas died.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lightning_recover.runtime.markers import QUORUM_MARKER
+
+
+#: The job's status when ranks stopped for want of a quorum and none finished (EX_TEMPFAIL).
+NO_QUORUM_STATUS = 75
+
+
+@dataclass
+class JobMarkers:
+    """What the ranks of one job left in the status directory (see :data:`lightning_recover.runtime.markers.ENV_STATUS_DIR`)."""
+
+    started: set[int] = field(default_factory=set)
+    ended: set[int] = field(default_factory=set)  # ok or exited: the rank ended on purpose
+    ok: set[int] = field(default_factory=set)  # ended with status 0
+    no_quorum: set[int] = field(default_factory=set)  # exited: its side of a cut had no quorum
+    done: frozenset[int] | None = None  # the last world's members, from its leader's done marker
+    #: rank -> (exception type name, the traceback's last line)
+    raised: dict[int, tuple[str, str]] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, directory: str) -> JobMarkers:
+        markers = cls()
+        for name in os.listdir(directory):
+            what, _, rank = name.partition(".")
+            if not rank.isdigit():
+                continue  # e.g. printed.<digest>: a rank's claim to print one traceback
+            r = int(rank)
+            if what == "started":
+                markers.started.add(r)
+            elif what == "done":
+                members = _read_text(os.path.join(directory, name)).split(",")
+                if all(m.strip().isdigit() for m in members):
+                    markers.done = frozenset(int(m) for m in members)
+            elif what in ("ok", "exited"):
+                markers.ended.add(r)
+                if what == "ok":
+                    markers.ok.add(r)
+                elif _read_text(os.path.join(directory, name)).startswith(QUORUM_MARKER):
+                    markers.no_quorum.add(r)
+            elif what == "raised":
+                try:
+                    with open(os.path.join(directory, name)) as f:
+                        lines = f.read().splitlines()
+                except OSError:
+                    lines = []
+                kind = lines[0] if lines else "an exception"
+                markers.raised[r] = (kind, lines[1] if len(lines) > 1 else kind)
+        return markers
+
+    @property
+    def finished(self) -> bool:
+        """The last world ended the job and every one of its members left normally."""
+        return self.done is not None and self.done <= self.ok
+
+    def over(self, nprocs: int) -> bool:
+        """The job can do nothing more: its last world finished, or every one of its ``nprocs``
+        ranks left a final marker (ok, exited -- e.g. every side stopped for want of quorum --
+        or raised)."""
+        return self.finished or set(range(nprocs)) <= (self.ended | set(self.raised))
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    """``rank 3`` / ``ranks 0, 2`` / ``ranks 0-3``."""
+    ordered = sorted(ranks)
+    if len(ordered) == 1:
+        return f"rank {ordered[0]}"
+    if len(ordered) > 2 and ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"ranks {ordered[0]}-{ordered[-1]}"
+    return "ranks " + ", ".join(map(str, ordered))
+
+
+def _what_raised(raised: Mapping[int, tuple[str, str]], nprocs: int) -> str:
+    """``ValueError on every rank (ValueError: bad)``, or per kind with its ranks when they differ."""
+    by_summary: dict[tuple[str, str], list[int]] = {}
+    for rank, kind in raised.items():
+        by_summary.setdefault(kind, []).append(rank)
+    parts = []
+    for (kind, summary), ranks in sorted(by_summary.items(), key=lambda item: min(item[1])):
+        where = "every rank" if len(by_summary) == 1 and set(ranks) == set(range(nprocs)) else _rank_list(ranks)
+        parts.append(f"{kind} on {where} ({summary})")
+    return " and ".join(parts)
+
+
+def final_words(markers: JobMarkers, nprocs: int, status: int) -> tuple[int, str | None]:
+    """The job's status and the launcher's last line about it, from the markers.
+
+    A job failed when ranks started (or raised) but none ended on purpose; the line then
+    says whether the program raised (its exception, traceback above) or the replicas died.
+    When some ranks raised but others finished, the line notes the exception and the
+    status stays. ``None``: nothing to add.
+    """
+    if markers.no_quorum and not markers.ok:
+        # The side that stopped cannot know whether another side went on (it lost contact):
+        # only the ranks' files of a world that finished would say so, and none did here.
+        return NO_QUORUM_STATUS, (
+            f"{_rank_list(sorted(markers.no_quorum))} stopped for want of a quorum (a host lost or cut off "
+            "with half the replicas, the leader's among them) and no rank finished; relaunch from the newest "
+            f"checkpoint (ckpt_path=last), or let `lightning-recover launch --supervise` do it. Exit status {NO_QUORUM_STATUS}"
+        )
+    if markers.no_quorum and markers.finished and status == NO_QUORUM_STATUS:
+        # A cut that healed (a flapping link): the side that stopped could reach mpiexec again and
+        # hand it its status 75, yet the last world finished every step: the job succeeded.
+        return 0, (
+            f"note: {_rank_list(sorted(markers.no_quorum))} stopped for want of a quorum while cut off; "
+            "the last world went on without them and finished"
+        )
+    failed = bool(markers.started or markers.raised) and not markers.ended
+    if not failed:
+        if markers.raised:
+            many = "s" if len(markers.raised) > 1 else ""
+            return status, (
+                f"note: the program raised {_what_raised(markers.raised, nprocs)}, traceback{many} above; "
+                "the other replicas went on without those ranks and finished"
+            )
+        if status != 0 and markers.ended and markers.ended == markers.ok:
+            # The runtime's own status after a replacement spawn it could not place (hot re-join):
+            # the program ended normally on every rank that finished, so the job did too.
+            return 0, f"note: mpiexec exited with status {status} (a failed spawn of replacement ranks); every rank that finished ended normally"
+        return status, None
+    status = status or 1
+    if not markers.raised:
+        return status, (
+            "every rank of the job failed: no replica survived to continue in place: the replicas died (killed by a "
+            "signal or lost with their node; no rank raised an exception); relaunch from the newest checkpoint "
+            f"(ckpt_path=last, recover.checkpoint.dir). Exit status {status}"
+        )
+    died = sorted((markers.started | set(range(nprocs))) - set(markers.raised))
+    rest = f"; {_rank_list(died)} died or left through the replica-consistency gate" if died else ""
+    many = "s" if len(set(markers.raised.values())) > 1 else ""
+    return status, (
+        f"the program raised {_what_raised(markers.raised, nprocs)}, traceback{many} above{rest}; "
+        f"fix the error, then relaunch (from the newest checkpoint: ckpt_path=last). Exit status {status}"
+    )

@@ -1,0 +1,167 @@
+"""Run ``mpiexec`` in its own session and make sure it ends: the launcher's guard against a job that never exits.
+
+With ULFM on, Open MPI 5.0.11's runtime never finishes aborting a job after a rank exits
+with a non-zero status or calls ``MPI_Abort`` -- it kills the ranks, then waits forever.
+When every rank of a job ran on this host (the supervisor saw all N of them) and none is
+left while ``mpiexec`` lingers past a grace period, :func:`run_supervised` ends the job's
+process group and returns :data:`ABORTED_STATUS`, so a crashed job fails instead of
+hanging. (On several hosts the rule is off: ranks elsewhere may still be training.)
+
+It also ends ``mpiexec`` when the job's last world has finished but ``mpiexec`` still waits
+on ranks it cannot reach (a frozen or cut-off host), when the caller's stall watchdog fires
+(:data:`STALLED_STATUS`), and at a timeout; Ctrl-C and SIGTERM go to the whole job. No rank
+ever outlives the call. What the job's status *means* is read from the ranks' markers
+afterwards (:mod:`lightning_recover.cli.job_status`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+
+#: Exit status when the supervisor had to end a job whose ranks were all gone.
+ABORTED_STATUS = 70
+#: Exit status when the supervisor's stall watchdog ended a job that made no progress.
+STALLED_STATUS = 124
+#: What Open MPI 5 prints when its runtime failed to start at all (a PMIx listener race, also
+#: seen in other projects' CI): no rank ran, so a harness may launch such a job once more.
+RUNTIME_START_FAILURE = "The PMIx server's listener thread failed to start"
+_RUNTIME = {"mpiexec", "mpirun", "prterun", "prte", "prted", "orterun"}
+
+
+def session_ranks(sid: int) -> list[int]:
+    """Live processes of session ``sid`` other than Open MPI's runtime: the job's local ranks."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[3]) == sid and fields[0] != "Z" and name not in _RUNTIME:
+            pids.append(int(entry))
+    return pids
+
+
+def run_supervised(
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    nprocs: int | None = None,
+    grace_s: float = 5.0,
+    timeout_s: float | None = None,
+    stdout: object = None,
+    stderr: object = None,
+    watch: Callable[[], str | None] | None = None,
+    on_signal: Callable[[int], None] | None = None,
+    finished: Callable[[], bool] | None = None,
+) -> int:
+    """Run ``mpiexec`` in its own session and return its status (see the module docstring).
+
+    With ``nprocs`` the stuck-abort rule is armed once that many local ranks were seen.
+    ``timeout_s`` ends the job and raises ``subprocess.TimeoutExpired``. ``watch`` is
+    called every poll; when it returns a reason, the job is ended and the status is
+    :data:`STALLED_STATUS` (the supervisor's stall watchdog). Ctrl-C and SIGTERM are
+    forwarded to the whole job, and reported to ``on_signal``. When ``finished`` (the job's
+    last world ended and all its members left,
+    :attr:`lightning_recover.cli.job_status.JobMarkers.finished`) holds for
+    ``grace_s`` while mpiexec still waits -- on the ranks of a frozen or cut-off host, which
+    it cannot reach and never gives up on -- the job is ended and the status is 0 (the
+    caller judges the job by the markers, :func:`lightning_recover.cli.job_status.final_words`).
+    """
+    proc = subprocess.Popen(
+        list(argv), env=dict(env) if env is not None else None, stdout=stdout, stderr=stderr, start_new_session=True
+    )
+
+    def kill_group() -> list[int]:
+        # mpiexec's own group, and its ranks BY PID: PRRTE puts every rank in a process group of
+        # its own (it keeps mpiexec's session), so killpg(mpiexec) alone leaves them running,
+        # re-parented to pid 1, when mpiexec goes first.
+        ranks = session_ranks(proc.pid)
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return ranks
+
+    def forward(signum: int, _frame: object) -> None:
+        if on_signal is not None:
+            on_signal(signum)
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        seen, empty_since, done_since = 0, None, None
+        while proc.poll() is None:
+            time.sleep(0.25)
+            now = time.monotonic()
+            if finished is not None:
+                done_since = (done_since or now) if finished() else None
+                if done_since is not None and now - done_since > grace_s and proc.poll() is None:
+                    print(
+                        "[lightning-recover] every rank of the job's last world has left, but mpiexec keeps "
+                        "waiting on ranks it cannot reach (a frozen or cut-off host); ending it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    kill_group()
+                    proc.wait()
+                    return 0
+            if nprocs:
+                live = len(session_ranks(proc.pid))
+                seen = max(seen, live)
+                empty_since = (empty_since or now) if seen >= nprocs and live == 0 else None
+                if empty_since is not None and now - empty_since > grace_s and proc.poll() is None:
+                    print(
+                        f"[lightning-recover] all {nprocs} ranks are gone but mpiexec keeps waiting (a stuck abort); "
+                        f"ending it with status {ABORTED_STATUS}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    kill_group()
+                    proc.wait()
+                    return ABORTED_STATUS
+            reason = watch() if watch is not None else None
+            if reason is not None and proc.poll() is None:
+                print(f"[lightning-recover] {reason}; ending the job", file=sys.stderr, flush=True)
+                kill_group()
+                proc.wait()
+                return STALLED_STATUS
+            if deadline is not None and now > deadline:
+                kill_group()
+                proc.wait()
+                raise subprocess.TimeoutExpired(list(argv), timeout_s or 0)
+        return proc.returncode
+    finally:
+        exited = proc.poll() is not None
+        left = kill_group()  # leftovers (a SIGSTOPped rank) never outlive the job
+        if left and exited:
+            print(f"[lightning-recover] {len(left)} rank(s) outlived mpiexec; ended them (SIGKILL): pids {left}",
+                  file=sys.stderr, flush=True)
+        deadline = time.monotonic() + 5.0
+        while left and time.monotonic() < deadline:  # gone before the caller starts anything else
+            left = [p for p in left if p in session_ranks(proc.pid)]
+            time.sleep(0.05)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
