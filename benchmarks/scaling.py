@@ -42,7 +42,7 @@ printed as a table with its fitted growth:
    ``--plan-reps`` fresh policies. Every rank of every replica runs this plan each step.
 
 3. **The ledger line at B = ``--ledger-B``** (8192): the JSON line the leader appends per
-   committed step (:class:`lightning_recover.audit.ledger.LedgerWriter`, one fsync'ed write),
+   committed step (:class:`lightning_recover.audit.ledger_writer.LedgerWriter`, one fsync'ed write),
    built as the step engine builds it (the policy's commit record plus the engine's
    fields), fault-free and with one fault, for several W x G = B; bytes and write time.
 
@@ -285,7 +285,7 @@ def time_planning(W: int, reps: int, G_init: int = 2) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- ledger
 def ledger_line(B: int, W: int, fault: bool, path: Path) -> dict[str, Any]:
     """Bytes and write time of one ledger line at B = W * G (fault: one contributor lost in the step)."""
-    from lightning_recover.audit.ledger import LedgerWriter
+    from lightning_recover.audit.ledger_writer import LedgerWriter
     from lightning_recover.workload.policy import StaticWorld
 
     if B % W:

@@ -56,7 +56,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_recover import _lightning
-from lightning_recover.audit.ledger import LeaderLedger
+from lightning_recover.audit.ledger_writer import LeaderLedger
 from lightning_recover.callbacks import (
     BoundaryScheduler,
     BufferSync,
@@ -1085,7 +1085,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.comm.check_fences("checkpoint")
         if self.ledger is not None:
             # Every ledger line up to this step durable before the checkpoint can be published:
-            # a relaunch from it after an OS crash finds no step missing (see lightning_recover.audit.ledger).
+            # a relaunch from it after an OS crash finds no step missing (see lightning_recover.audit.ledger_writer).
             self.ledger.sync()
         with self.replica_guard("checkpoint save"):
             self.checkpoint_writer.save(checkpoint, filepath, step=int(state["step"]))
