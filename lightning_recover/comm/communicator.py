@@ -1,4 +1,4 @@
-"""Fault-aware cross-replica collectives over ULFM MPI (layer 1 of the recovery protocol).
+"""The fault-aware communicator over ULFM MPI: membership and its collectives (layer 1 of the recovery protocol).
 
 It keeps the :class:`~lightning_recover.comm.interface.ReplicaComm` contract with real
 processes. Collectives and membership only; how a rank starts and leaves (MPI settings,
@@ -62,8 +62,6 @@ imported when such a plane is built.
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import logging
 import os
 import socket
@@ -104,7 +102,6 @@ DEFAULT_PLANE_TIMEOUT_S = 60.0
 def _this_process() -> tuple[str, int, str | None]:
     """Host, pid and start time of this process: what fencing needs to never hit a recycled pid."""
     return (socket.gethostname(), os.getpid(), lifecycle.process_start_time(os.getpid()))
-
 
 
 class FaultTolerantComm(Collectives):
