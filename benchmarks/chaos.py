@@ -276,7 +276,9 @@ def reference_run(B: int, steps: int, seed: int, samples_per_microbatch: int = S
 # ---------------------------------------------------------------------- driver
 
 def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) -> Outcome:
-    from lightning_recover.audit.ledger import LedgerWriter, check_ledger, read_ledger
+    from lightning_recover.audit.ledger import read_ledger
+    from lightning_recover.audit.ledger_check import check_ledger
+    from lightning_recover.audit.ledger_writer import LedgerWriter
     from lightning_recover.cli.mpiexec import build_command, launch_env
     from lightning_recover.cli.runner import RUNTIME_START_FAILURE, run_supervised
 
@@ -360,7 +362,7 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
 
 
 def _write_reference(run: ChaosRun, path: Path, steps: int) -> None:
-    from lightning_recover.audit.ledger import LedgerWriter
+    from lightning_recover.audit.ledger_writer import LedgerWriter
 
     with LedgerWriter(path) as ref:
         for step, loss in enumerate(reference_run(run.B, run.steps, run.seed)[0][:steps]):
@@ -376,7 +378,8 @@ def execute_on_hosts(
 ) -> Outcome:
     """Launch ``run`` supervised on the fake hosts, let the harness apply its host fault, and judge every
     attempt against ``pred`` (module docstring)."""
-    from lightning_recover.audit.ledger import LedgerFormatError, check_ledger, read_ledger
+    from lightning_recover.audit.ledger import LedgerFormatError, read_ledger
+    from lightning_recover.audit.ledger_check import check_ledger
 
     if outdir.exists():
         shutil.rmtree(outdir)  # a result file left by an earlier campaign must never count as a survivor

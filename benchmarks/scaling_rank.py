@@ -21,13 +21,14 @@ each victim named by ``--victims`` (original world ranks, in order), runs one *f
    when the step's commit agreement returned True (*committed*);
 4. the re-reduced sums are checked exactly against the survivors' values.
 
-Each survivor writes ``rank<r>.json`` (its stamps, start-up times, peak RSS, whether torch
-was loaded) into ``--out`` and ends through :func:`lightning_recover.runtime.lifecycle.end_job`.
+Each survivor writes ``rank<r>.json`` (its stamps, start-up times, peak RSS, whether and
+by whom torch was loaded) into ``--out`` and ends through :func:`lightning_recover.runtime.lifecycle.end_job`.
 The driver turns the stamps into per-phase times (see ``scaling.py``).
 
-Torch: this file never imports torch itself, but ``lightning_recover.comm.communicator`` (and
-``lightning_recover.comm.data_plane`` under it) import torch at module level, so every rank loads
-it; the rank records how long that import took and its memory, and ``scaling.py`` reports it.
+Torch: layer 1 alone loads none. Importing ``lightning_recover.comm.communicator`` and building
+the communicator on the MPI plane import no torch (the rank records it: ``torch_loaded_by_comm``);
+the rank itself imports torch afterwards, for the tensors it reduces (``FaultTolerantComm.allreduce``
+takes torch tensors), and records how long that took (``import_torch_s``); ``scaling.py`` reports both.
 """
 
 from __future__ import annotations
@@ -68,22 +69,27 @@ def main(argv: list[str] | None = None) -> None:
 
     t_mpi = time.monotonic()
     torch_before = "torch" in sys.modules
-    # This import loads torch (communicator.py and data_plane.py import it at module level).
+    # Layer 1 alone: neither this import nor building the communicator below loads torch.
     from lightning_recover.comm.communicator import FaultTolerantComm
     from lightning_recover.comm.interface import PeerFailure
 
     t_import = time.monotonic()
-    torch = sys.modules["torch"]  # already loaded by the communicator; the tensors below use it
-    torch.set_num_threads(1)
 
     # Line up politely first: the constructor's collectives (Dup, allgather, Split) block and poll,
-    # and 63 ranks polling on 2 cores starve the ones still importing torch (the 64-rank
-    # start-up took 136 s that way instead of ~60 s).
+    # and 63 ranks polling on 2 cores starve the ones still starting up (the 64-rank start-up
+    # took 136 s that way instead of ~60 s, when the communicator's import still loaded torch).
     mpi_wait.wait(MPI.COMM_WORLD.Ibarrier())
     t_lined_up = time.monotonic()
     comm = FaultTolerantComm(bucket_bytes=args.bucket_bytes)
     lifecycle.start_rank(comm.rank, MPI.COMM_WORLD.Get_size())
     t_comm = time.monotonic()
+    torch_by_comm = "torch" in sys.modules and not torch_before
+    # Only now, for this rank's own tensors (allreduce takes torch tensors); the step's first
+    # world reduction waits politely for the slowest importer.
+    import torch
+
+    torch.set_num_threads(1)
+    t_torch = time.monotonic()
     rank = comm.rank
     if any(v == 0 or not 0 < v < comm.layout.world_size for v in victims) or len(set(victims)) != len(victims):
         raise SystemExit(f"--victims must be distinct ranks in 1..{comm.layout.world_size - 1}, got {victims}")
@@ -158,8 +164,10 @@ def main(argv: list[str] | None = None) -> None:
         "import_comm_s": t_import - t_mpi,
         "lineup_s": t_lined_up - t_import,
         "comm_init_s": t_comm - t_lined_up,
-        "t_ready": t_comm,
+        "import_torch_s": t_torch - t_comm,
+        "t_ready": t_torch,
         "torch_loaded_before_comm": torch_before,
+        "torch_loaded_by_comm": torch_by_comm,
         "torch_loaded": "torch" in sys.modules,
         "polite_wait": mpi_wait.polite(),  # the world's choice: reductions sleep instead of spinning
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -137,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--nprocs", type=int, default=4, help="ranks (replicas, one shard each)")
     ap.add_argument("--timeout", type=float, default=600.0, help="per-run limit in seconds")
     args = ap.parse_args(argv)
-    from lightning_recover.audit.ledger import check_ledger, read_ledger
+    from lightning_recover.audit.ledger import read_ledger
+    from lightning_recover.audit.ledger_check import check_ledger
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -63,7 +63,7 @@ ERRORS: dict[str, ErrorFate] = {
         "stop", "fewer live replicas than min_replicas: stop with shutdown(exit_code=3) and relaunch from the newest checkpoint"),
     "lightning_recover.config:ConfigurationError": ErrorFate(
         "user", "a setting is wrong; the message names it and the fix (raised before the first step)"),
-    "lightning_recover.comm.communicator:ULFMUnavailableError": ErrorFate(
+    "lightning_recover.comm.ulfm:ULFMUnavailableError": ErrorFate(
         "user", "the MPI has no working fault tolerance (a trial revoke failed): install Open MPI 5 with ULFM, launch with --with-ft ulfm"),
     "lightning_recover.workload.step_plan:PolicyError": ErrorFate(
         "user", "the workload policy was asked for something impossible (e.g. B not divisible); the message names it"),

@@ -133,7 +133,7 @@ def _launch(argv: list[str]) -> int:
 
 
 def _check_ledger(argv: list[str]) -> int:
-    from lightning_recover.audit.ledger import main as ledger_main
+    from lightning_recover.audit.ledger_check import main as ledger_main
 
     return ledger_main(argv)
 

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from lightning_recover.comm import mpi_wait
-from lightning_recover.comm.communicator import FAILURE_CONFIRM_S, failure_classes
+from lightning_recover.comm.ulfm import FAILURE_CONFIRM_S, failure_classes
 from lightning_recover.config import ConfigurationError
 from lightning_recover.errors import RecoverError
 

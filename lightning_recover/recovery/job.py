@@ -69,7 +69,7 @@ from lightning_recover.runtime import lifecycle
 from lightning_recover.comm.communicator import FaultTolerantComm
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.comm.data_plane import check_data_plane
-from lightning_recover.audit.ledger import LeaderLedger
+from lightning_recover.audit.ledger_writer import LeaderLedger
 from lightning_recover.workload.factory import make_policy
 from lightning_recover.workload.policy import WorkloadPolicy
 from lightning_recover.comm.process_group import ProcessGroupULFM, lockstep_refusal, new_replica_group

@@ -207,7 +207,7 @@ def assert_reference_run(job: MPIJob, argv: list[str], replicas: int) -> dict[in
     import torch
     from reference import reference_run
 
-    from lightning_recover.audit.ledger import check_ledger
+    from lightning_recover.audit.ledger_check import check_ledger
 
     ref_losses, ref_params = reference_run(argv, replicas)
     ref = job.outdir / "reference.jsonl"

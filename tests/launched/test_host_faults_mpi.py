@@ -207,7 +207,7 @@ def test_a_host_lost_with_its_daemon_is_relaunched_on_the_rest_and_the_ledger_is
     import subprocess
     import sys
 
-    from lightning_recover.audit.ledger import check_ledger
+    from lightning_recover.audit.ledger_check import check_ledger
 
     cluster = fake_cluster(2)
     root = Path(__file__).resolve().parents[2]

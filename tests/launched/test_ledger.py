@@ -11,17 +11,10 @@ from typing import Any
 
 import pytest
 
-from lightning_recover.audit import ledger as ledger_module
-from lightning_recover.audit.ledger import (
-    LEDGER_FIELDS,
-    MAX_UNSYNCED_LINES,
-    LeaderLedger,
-    LedgerFormatError,
-    LedgerWriter,
-    check_ledger,
-    main,
-    read_ledger,
-)
+from lightning_recover.audit import ledger_writer as ledger_writer_module
+from lightning_recover.audit.ledger import LEDGER_FIELDS, LedgerFormatError, read_ledger
+from lightning_recover.audit.ledger_check import check_ledger, main
+from lightning_recover.audit.ledger_writer import MAX_UNSYNCED_LINES, LeaderLedger, LedgerWriter
 from lightning_recover.workload.static_world import StaticWorld
 
 B = 8
@@ -133,7 +126,7 @@ class _Disk:
 @pytest.fixture
 def disk(monkeypatch: pytest.MonkeyPatch) -> _Disk:
     d = _Disk()
-    monkeypatch.setattr(ledger_module.os, "fsync", d.fsync)
+    monkeypatch.setattr(ledger_writer_module.os, "fsync", d.fsync)
     return d
 
 
@@ -437,7 +430,7 @@ def test_main_loss_drift(tmp_path: Path, good: Path, capsys):
 def test_cli_subprocess(good: Path):
     """The installed entry point routes through cli.main when it exists; main() directly here."""
     out = subprocess.run(
-        [sys.executable, "-m", "lightning_recover.audit.ledger", str(good)],
+        [sys.executable, "-m", "lightning_recover.audit.ledger_check", str(good)],
         capture_output=True,
         text=True,
         check=False,
@@ -454,6 +447,7 @@ def test_modules_import_neither_torch_nor_mpi():
     code = (
         "import sys\n"
         "import lightning_recover.workload.factory, lightning_recover.workload.planner, lightning_recover.audit.ledger\n"
+        "import lightning_recover.audit.ledger_writer, lightning_recover.audit.ledger_check\n"
         "bad = [m for m in ('torch', 'torch.distributed', 'mpi4py') if m in sys.modules]\n"
         "print(','.join(bad))\n"
     )

@@ -22,7 +22,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from lightning_recover.audit.ledger import check_ledger, read_ledger
+from lightning_recover.audit.ledger import read_ledger
+from lightning_recover.audit.ledger_check import check_ledger
 from lightning_recover.config import CheckpointConfig, ConfigurationError, RecoverConfig
 from harness.mpirun import ROOT, run_mpi
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from harness.mpirun import assert_reference_run, ledger_lines, run_mpi, train_worker
 
-from lightning_recover.audit.ledger import check_ledger, read_ledger
+from lightning_recover.audit.ledger import read_ledger
+from lightning_recover.audit.ledger_check import check_ledger
 
 pytestmark = pytest.mark.mpi
 

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.audit.ledger import LedgerWriter
+from lightning_recover.audit.ledger_writer import LedgerWriter
 from lightning_recover.audit.report import (
     ReportError,
     load_ledger,

@@ -60,6 +60,8 @@ def test_quick_runs_the_curve_with_real_kills_and_leaves_no_process(tmp_path: Pa
     assert rc == 0, out
     res = json.loads(out_json.read_text())
     assert [pt["ranks"] for pt in res["curve"]] == [4, 8] and not res["failed"]
+    # Issue 23: layer 1 alone loads no torch (the ranks import it afterwards, for their tensors).
+    assert not any(pt["torch_loaded_by_comm"] for pt in res["curve"]), res["curve"]
     for pt in res["curve"]:
         assert len(pt["faults"]) == 2
         for fault in pt["faults"]:

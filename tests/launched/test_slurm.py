@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recover.audit.ledger import check_ledger, read_ledger
-from lightning_recover.cli.mpiexec import build_command
+from lightning_recover.audit.ledger import read_ledger
+from lightning_recover.audit.ledger_check import check_ledger
+from lightning_recover.cli.launcher import build_command
 from lightning_recover.runtime.slurm import allocation_tasks, refusal_line, started_by_srun, tasks_outnumber_cpus
 from harness.mpirun import BENCHMARKS, ROOT
 from harness.slurm_cluster import LocalSlurm

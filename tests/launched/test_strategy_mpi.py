@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_recover.audit.ledger import check_ledger, read_ledger
+from lightning_recover.audit.ledger import read_ledger
+from lightning_recover.audit.ledger_check import check_ledger
 from lightning_recover.callbacks import resolve_ckpt_path
 from harness.mpirun import MPIJob, run_mpi
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recover.audit.ledger import check_ledger, read_ledger
+from lightning_recover.audit.ledger import read_ledger
+from lightning_recover.audit.ledger_check import check_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "examples" / "pretrain.py")

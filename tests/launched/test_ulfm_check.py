@@ -7,7 +7,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from lightning_recover.comm.communicator import _library_has_agree
+from lightning_recover.comm.ulfm import _library_has_agree
 
 
 class _Error(Exception):
@@ -54,7 +54,7 @@ def test_an_mpi_whose_revoke_revokes_is_accepted() -> None:
 
 
 def test_the_pip_open_mpi_passes_the_trial_revoke() -> None:
-    code = "from mpi4py import MPI; from lightning_recover.comm.communicator import _library_has_agree; print(_library_has_agree(MPI))"
+    code = "from mpi4py import MPI; from lightning_recover.comm.ulfm import _library_has_agree; print(_library_has_agree(MPI))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "True", out.stderr
 
@@ -62,7 +62,7 @@ def test_the_pip_open_mpi_passes_the_trial_revoke() -> None:
 def test_the_repair_bound_reads_the_environment(monkeypatch) -> None:
     import pytest
 
-    from lightning_recover.comm.communicator import DEFAULT_REPAIR_TIMEOUT_S, ENV_REPAIR_TIMEOUT, repair_timeout
+    from lightning_recover.comm.repair_bound import DEFAULT_REPAIR_TIMEOUT_S, ENV_REPAIR_TIMEOUT, repair_timeout
 
     monkeypatch.delenv(ENV_REPAIR_TIMEOUT, raising=False)
     assert repair_timeout() == DEFAULT_REPAIR_TIMEOUT_S
@@ -77,10 +77,10 @@ def test_the_repair_bound_reads_the_environment(monkeypatch) -> None:
 def test_a_section_that_outlasts_its_bound_ends_the_rank_and_one_in_time_does_not() -> None:
     import time
 
-    from lightning_recover.comm.communicator import _Bound
+    from lightning_recover.comm.repair_bound import RepairBound
 
     left: list[str] = []
-    bound = _Bound(1.5, left.append)
+    bound = RepairBound(1.5, left.append)
     with bound.within("the agreement at world epoch 3"):
         time.sleep(0.2)
     time.sleep(2.5)
