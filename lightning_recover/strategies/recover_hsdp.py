@@ -18,7 +18,7 @@ ULFM communicator. The protocol itself is the step engine's
    ``on_before_optimizer_step``, gradient clipping and ``optimizer.step`` run, on the
    reduced gradient divided by the constant ``B * S``.
 4. With ``rejoin=True`` every step boundary (``on_train_batch_start``) gives the
-   :class:`~lightning_recover.membership.rejoin.Recruiter` its turn: replacements for lost replicas are
+   :class:`~lightning_recover.membership.recruiter.Recruiter` its turn: replacements for lost replicas are
    spawned while the survivors train, and admitted once ready -- Lightning's checkpoint,
    dumped in memory, goes to them over MPI, and Lightning restores it as from a file.
 5. The engine's recovery hooks are dispatched to every callback in ``trainer.callbacks``
@@ -76,7 +76,11 @@ from lightning_recover.comm.topology import RankLayout
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.feed.data import MicrobatchSource, StepTicket, TicketLoader
 from lightning_recover.feed.loading import EnginePlan, MicrobatchFeed
-from lightning_recover.membership import rejoin
+from lightning_recover.membership import handshake, milestones
+from lightning_recover.membership.recruiter import JoinAttempt, Recruiter
+from lightning_recover.membership.seat import Joining, job_environ
+from lightning_recover.membership.seat import seat as spawned_seat
+from lightning_recover.membership.transfer import donor_and_recipients, recv_state, send_state
 from lightning_recover.recovery.engine import StepEngine
 from lightning_recover.recovery.hooks import dispatcher
 from lightning_recover.recovery.state import Join
@@ -195,10 +199,10 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         #: Inside validation_step / test_step / predict_step (their batches differ in number across ranks).
         self._evaluating_batch = False
         self._eval_batches = 0
-        self.recruiter: rejoin.Recruiter | None = None
+        self.recruiter: Recruiter | None = None
         #: This process is a replacement that has not run its first step yet: the survivors are
         #: past the setup-time collectives it would otherwise ask them for (see _join_world).
-        self._joining: rejoin.Joining | None = None
+        self._joining: Joining | None = None
         # The step's planned microbatches are running (see backward), the last of them, and
         # whether FSDP2 reduce-scatters inside the replica on the next backward.
         self._planned_phase = False
@@ -310,7 +314,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         # fit, validate, test and predict each call this; the job's MPI world, process group
         # and engine are made once, by the first.
         if self.comm is None:
-            joining = rejoin.seat()
+            joining = spawned_seat()
             if joining is None:
                 self._start_rank()
             else:
@@ -395,7 +399,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
                 # Standbys start now, while this job still sets up, not after its first loss.
                 self.recruiter.tend(training=False)
 
-    def _make_recruiter(self) -> rejoin.Recruiter:
+    def _make_recruiter(self) -> Recruiter:
         assert self.comm is not None and self.layout is not None
         c, layout = self.config, self.layout
 
@@ -405,20 +409,20 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
                 "world_size": layout.world_size, "timeout_s": c.rejoin_timeout_s,
                 "heartbeats": str(self.watchdog.dir) if self.watchdog is not None else None,
                 "logger_versions": [getattr(lg, "version", None) for lg in trainer.loggers],
-                "environ": rejoin.job_environ(),
+                "environ": job_environ(),
             }
 
-        return rejoin.Recruiter(
+        return Recruiter(
             self.comm, hosts=c.rejoin_hosts, attempts=c.rejoin_attempts, backoff_s=c.rejoin_backoff_s,
             timeout_s=c.rejoin_timeout_s, context=context, standbys=c.rejoin_standbys, shards=c.shards,
         )
 
-    def _start_replacement(self, joining: rejoin.Joining) -> None:
+    def _start_replacement(self, joining: Joining) -> None:
         """This process replaces a lost rank: everything of ``_start_rank`` that needs no survivor.
 
         It becomes a member of the world in ``setup`` (:meth:`_join_world`), once its model
         and optimizer exist to receive the live state."""
-        rejoin.mark("strategy")
+        milestones.mark("strategy")
         lifecycle.install_crash_hook(joining.rank)
         self._refuse_several_devices()
         self._check_planes()
@@ -530,7 +534,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             self._leader_logs.set_bases(self.broadcast(counts if leader else None, 0) or [0] * len(counts))
 
     # ------------------------------------------------------------------ hot re-join
-    def _join_world(self, trainer: Trainer, joining: rejoin.Joining) -> None:
+    def _join_world(self, trainer: Trainer, joining: Joining) -> None:
         """A replacement: wait for the survivors' GO, grow the world with them, receive the live state.
 
         The state is the donor replica's Lightning checkpoint; Lightning restores it right
@@ -541,17 +545,17 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         assert self.comm is not None and self.engine is not None and self.layout is not None
         assert self.probes is not None
         self.probes.fault_point("join_startup", step=joining.seat.attempt)
-        rejoin.mark("ready")
+        milestones.mark("ready")
         while True:
             if joining.link is not None:
                 # A standby's replacement: merged only now, so that a loss among the survivors while
                 # its script set up never cost it its seat.
                 with self.probes.waiting():
-                    if not rejoin.connect(joining):
-                        rejoin.give_up(joining, "the leader that spawned this standby is gone or training ended")
+                    if not handshake.connect(joining):
+                        handshake.give_up(joining, "the leader that spawned this standby is gone or training ended")
             attempt = joining.seat.attempt
             with self.probes.waiting():
-                decision = rejoin.await_admission(joining, lambda: self.probes.fault_point("join_ready", step=attempt))  # type: ignore[union-attr]
+                decision = handshake.await_admission(joining, lambda: self.probes.fault_point("join_ready", step=attempt))  # type: ignore[union-attr]
             if decision == "go":
                 if self.comm.grow(joining.merged):
                     break
@@ -559,11 +563,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             else:
                 why = "the survivors dropped this re-join attempt or finished training"
             if decision == "abort" or joining.link is None:
-                rejoin.give_up(joining, why)
+                handshake.give_up(joining, why)
             # A standby's replacement whose attempt the survivors' own repair dropped asks again.
             joining.merged = None
             joiner.restart_timer()
-        rejoin.mark("go")
+        milestones.mark("go")
         joiner.admitted()
         lifecycle.start_rank(self.comm.rank, self.layout.world_size, end_of_job=self.shutdown)
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
@@ -573,13 +577,13 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
         def receive() -> dict[str, Any]:
             live = [r for r in replicas if r in comm.alive_replicas]
-            donor, _ = rejoin.donor_and_recipients(comm, live)
+            donor, _ = donor_and_recipients(comm, live)
             source = comm.members.index(layout.rank_of(donor, comm.shard))
             self.probes.fault_point("join_transfer", step=attempt)  # type: ignore[union-attr]
-            return rejoin.recv_state(comm, source, self._device_mesh if self.config.shards > 1 else None, self.root_device)
+            return recv_state(comm, source, self._device_mesh if self.config.shards > 1 else None, self.root_device)
 
         checkpoint = self.engine.run_collective(receive)
-        rejoin.mark("state")
+        milestones.mark("state")
         state = checkpoint[checkpoint_io.STATE_KEY]
         self._take_over(state)
         self.engine.admit([Join(r) for r in replicas if r in comm.alive_replicas])
@@ -599,7 +603,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """The step boundary of hot re-join: the recruiter's turn (see :mod:`lightning_recover.membership.rejoin`)."""
+        """The step boundary of hot re-join: the recruiter's turn (see :mod:`lightning_recover.membership.recruiter`)."""
         if self.recruiter is None or self.engine is None or self._joining is not None:
             return
         recruiter = self.recruiter
@@ -609,7 +613,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         if attempt is not None:
             self._admit(attempt)
 
-    def _admit(self, attempt: rejoin.JoinAttempt) -> None:
+    def _admit(self, attempt: JoinAttempt) -> None:
         """Survivors: grow the world with the ready replacements and send them the live state."""
         assert self.recruiter is not None and self.engine is not None and self.comm is not None
         comm = self.comm
@@ -623,7 +627,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             return [r for r in attempt.replicas if r in comm.alive_replicas]
 
         def transfer() -> None:
-            donor, to = rejoin.donor_and_recipients(comm, live())
+            donor, to = donor_and_recipients(comm, live())
             if self.replica == donor:
                 self.probes.fault_point("join_transfer", step=attempt.number)  # type: ignore[union-attr]
                 # Lightning's own checkpoint of this moment, plus the protocol's state.
@@ -631,7 +635,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
                 state = checkpoint[checkpoint_io.STATE_KEY] = self._recover_state()
                 state["faults_seen"] = self.faults_seen
                 with self.replica_guard("state transfer"):
-                    rejoin.send_state(comm, checkpoint, to[comm.shard])
+                    send_state(comm, checkpoint, to[comm.shard])
 
         self.engine.run_collective(transfer)
         done = time.perf_counter()
@@ -720,11 +724,11 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             # A replacement's first step: from here on it is a member like any other.
             assert self.probes is not None
             self.probes.fault_point("joined", step=self._joining.seat.attempt)
-            rejoin.mark("first_step")
+            milestones.mark("first_step")
             seat = self._joining.seat
             lost_at = seat.context.get("lost_at")
             print(f"[lightning-recover] replacement for rank {self.comm.rank if self.comm else '?'} (attempt {seat.attempt}) "  # type: ignore[union-attr]
-                  f"starts its first step: {rejoin.breakdown(seat.spawned_at, lost_at if isinstance(lost_at, float) else None)}",
+                  f"starts its first step: {milestones.breakdown(seat.spawned_at, lost_at if isinstance(lost_at, float) else None)}",
                   file=sys.stderr, flush=True)
             self._joining = None
         step = self.engine.begin(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
