@@ -84,7 +84,7 @@ def run_stamp() -> str:
 
             stamp = MPI.COMM_WORLD.bcast(stamp, root=0)
             # Exported in a launched job: a replacement spawned by hot re-join takes the survivors'
-            # LR_* variables (lightning_recover.membership.rejoin.job_environ), so it writes into this same run
+            # LR_* variables (lightning_recover.membership.seat.job_environ), so it writes into this same run
             # directory (its own spawn's rank 0 would stamp another one).
             os.environ["LR_RUN_STAMP"] = stamp
         _STAMP = stamp

@@ -229,7 +229,7 @@ class RecoverConfig:
             this long. None = the hang timeout; 0 = off. See :meth:`watchdog_timeouts`.
         checkpoint: the fallback checkpoints (:class:`CheckpointConfig`).
         sdc: the silent-data-corruption checks (:class:`SDCConfig`).
-        rejoin: hot re-join (:mod:`lightning_recover.membership.rejoin`): after losing replicas the
+        rejoin: hot re-join (:mod:`lightning_recover.membership.recruiter`): after losing replicas the
             job spawns replacements (the same interpreter and argv) up to the replica count
             it started with; they receive the live state and take work back. Off by default.
         rejoin_hosts: comma-separated hosts the replacements are placed on (Open MPI's

@@ -43,7 +43,7 @@ when a :class:`FaultTolerantComm` is built.
   calls :meth:`FaultTolerantComm.check_fences` first, and a rank of an older world or
   launch leaves instead of writing.
 * ``grow(merged)`` installs a world that replacement ranks were merged into (hot re-join,
-  :mod:`lightning_recover.membership.rejoin`): a joiner takes the *logical* rank of a lost replica's
+  :mod:`lightning_recover.membership.recruiter`): a joiner takes the *logical* rank of a lost replica's
   rank, so ranks are named by logical rank everywhere (the original world rank until a
   replacement takes it over) and the layout never changes. The survivors keep their order
   (the leader stays) and the joiners come after them; every later repair keeps that order.

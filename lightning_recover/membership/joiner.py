@@ -1,14 +1,14 @@
 """Entry point of a replacement rank: ``python -m lightning_recover.membership.joiner SEAT SCRIPT [ARGS...]``,
 or of a warm standby: ``python -m lightning_recover.membership.joiner --standby SPEC SCRIPT [ARGS...]``.
 
-The survivors spawn this (:mod:`lightning_recover.membership.rejoin`); nobody runs it by hand. It
+The survivors spawn this (:mod:`lightning_recover.membership.recruiter`); nobody runs it by hand. It
 initializes MPI and merges with the survivors first -- before the script imports torch and
 Lightning, which takes seconds -- so the survivors' Spawn returns about as fast as a bare
 interpreter starts and they train on while this process gets ready. Then it runs the
 user's script under its original argv; the strategy finds the seat with
-:func:`lightning_recover.membership.rejoin.seat` and joins at a step boundary.
+:func:`lightning_recover.membership.seat.seat` and joins at a step boundary.
 
-A standby (see "Warm standbys" in :mod:`lightning_recover.membership.rejoin`) merges with the leader
+A standby (see :mod:`lightning_recover.membership.standby`) merges with the leader
 alone, imports the strategy and the installed packages the script imports at its top level
 (:func:`installed_imports`; never the user's own modules), tells the leader it is warm and
 sleeps until it gets a seat -- then it runs the script exactly as a replacement does, merged
@@ -67,7 +67,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from lightning_recover.membership import rejoin
+from lightning_recover.membership import handshake, milestones
+from lightning_recover.membership.seat import Joining, Seat, _set_joining
 from lightning_recover.runtime import lifecycle
 
 
@@ -128,9 +129,9 @@ def admitted() -> None:
     signal.alarm(0)
 
 
-def job_environment(seat: rejoin.Seat, child_rank: int) -> dict[str, str]:
+def job_environment(seat: Seat, child_rank: int) -> dict[str, str]:
     """What the script of the ``child_rank``-th process of ``seat``'s spawn must find in its environment:
-    the survivors' job settings (:func:`lightning_recover.membership.rejoin.job_environ`) and the
+    the survivors' job settings (:func:`lightning_recover.membership.seat.job_environ`) and the
     launcher variables of the job's world, this process's being the logical rank it takes over."""
     world = seat.context.get("world_size")
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
@@ -251,17 +252,17 @@ def _leader_alive(spec: dict[str, object]) -> Callable[[], bool]:
     """Whether the leader that spawned this standby still runs (checked by pid on its host; elsewhere
     an MPI error on the link tells)."""
     pid, start, host = spec.get("leader_pid"), spec.get("leader_start"), spec.get("leader_host")
-    if not isinstance(pid, int) or host != rejoin._host_checksum():
+    if not isinstance(pid, int) or host != handshake.host_checksum():
         return lambda: True
     return lambda: lifecycle.process_start_time(pid) == start
 
 
 def standby(spec_json: str, script_argv: list[str]) -> None:
     """A warm standby: merge with the leader, import, say WARM, then sleep until a seat (or ``quit``)."""
-    rejoin.mark("python")
+    milestones.mark("python")
     try:
         spec = dict(json.loads(spec_json))
-        rejoin._marks["spawned"] = float(spec["spawned_at"])
+        milestones._marks["spawned"] = float(spec["spawned_at"])
     except (ValueError, KeyError, TypeError):
         raise SystemExit(f"lightning_recover.membership.joiner --standby: {spec_json!r} is not the leader's JSON spec") from None
     # Bounded until the leader has heard that it is warm: a standby whose leader ended meanwhile
@@ -269,31 +270,31 @@ def standby(spec_json: str, script_argv: list[str]) -> None:
     _leave_after(float(spec.get("timeout_s", 120.0)), f"standby {spec.get('number')}")
     link = _merge_with_parent("lightning_recover.membership.joiner --standby runs only as a spawned standby")
     alive = _leader_alive(spec)
-    rejoin.leader_alive = alive
+    handshake.leader_alive = alive
     restore = yield_while_warming() if spec.get("yield_cpu") else (lambda: None)
     _warm_up(script_argv[0])
-    rejoin.mark("warm")
-    if not rejoin.tell_leader(link, rejoin.TAG_WARM):
+    milestones.mark("warm")
+    if not handshake.tell_leader(link, handshake.TAG_WARM):
         os._exit(0)  # the leader is gone
     _disarm()  # from here on it waits as long as the job may run; its leader's end ends it
-    msg = rejoin.wait_on_link(link, alive)
+    msg = handshake.wait_on_link(link, alive)
     if msg is None or "seat" not in msg:
         os._exit(0)  # dismissed (training ended) or the leader is gone: nothing to leave behind
     restore()  # from here on it is a training rank's start-up: its full share of the cores
-    rejoin.mark("seated")
-    seat = rejoin.Seat.from_json(str(msg["seat"]))
+    milestones.mark("seated")
+    seat = Seat.from_json(str(msg["seat"]))
     _leave_after(float(seat.context.get("timeout_s", 120.0)), f"standby {spec.get('number')}")
     _run(seat, None, script_argv, link=link)
 
 
-def _run(seat: rejoin.Seat, merged: object, script_argv: list[str], link: object = None) -> None:
+def _run(seat: Seat, merged: object, script_argv: list[str], link: object = None) -> None:
     """Run the user's script as the replacement of ``seat`` (merged now, or by connect() for a standby)."""
     from mpi4py import MPI
 
     children = MPI.COMM_WORLD.Dup()
     children.Set_errhandler(MPI.ERRORS_RETURN)
-    joining = rejoin.Joining(seat, children, merged, link)  # type: ignore[arg-type]
-    rejoin._set_joining(joining)
+    joining = Joining(seat, children, merged, link)  # type: ignore[arg-type]
+    _set_joining(joining)
     try:
         os.environ.update(job_environment(seat, children.Get_rank()))
     except SystemExit as exc:
@@ -325,8 +326,8 @@ def main(argv: list[str]) -> None:
         return
     if len(argv) < 2:
         raise SystemExit("usage: python -m lightning_recover.membership.joiner [--standby SPEC | SEAT] SCRIPT [ARGS...] (spawned by lightning-recover)")
-    rejoin.mark("python")
-    seat = rejoin.Seat.from_json(argv[0])
+    milestones.mark("python")
+    seat = Seat.from_json(argv[0])
     timeout = float(seat.context.get("timeout_s", 120.0))
     _leave_after(timeout, f"of attempt {seat.attempt}")
     _run(seat, _merge_with_parent("lightning_recover.membership.joiner runs only as a spawned replacement"), argv[1:])
@@ -342,8 +343,8 @@ def _merge_with_parent(refusal: str) -> Any:
         raise SystemExit(f"{refusal} (no parent communicator)")
     merged = parent.Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
-    rejoin.say_hello(merged)
-    rejoin.mark("merged")
+    handshake.say_hello(merged)
+    milestones.mark("merged")
     return merged
 
 

@@ -1,6 +1,6 @@
 """Admission: the re-join protocol as a running :class:`~lightning_recover.recovery.job.RecoveryJob` runs it.
 
-:mod:`lightning_recover.membership.rejoin` has the pieces (the recruiter, the GO/abort handshake, the
+:mod:`lightning_recover.membership` has the pieces (the recruiter, the GO/abort handshake, the
 state transfer); this module runs them at the points of a training job:
 
 * every rank, once, before the first step: :func:`sync_initial_state` (every replica
@@ -17,7 +17,7 @@ would save at this moment, its protocol state (under ``state_key``) included, an
 ``restore(checkpoint)`` hands a received one to the framework to load after setup. So
 this module needs neither Lightning nor the trainer.
 
-Errors: a replacement that cannot join ends through :func:`rejoin.give_up` (its own exit);
+Errors: a replacement that cannot join ends through :func:`lightning_recover.membership.handshake.give_up` (its own exit);
 a survivor's transfer runs as one collective of the engine (a death there is repaired,
 the attempt dropped); a replica-mate's death during the send ends the replica through
 ``guard`` (the strategy's ``replica_guard``, fate ``gate``).
@@ -34,7 +34,10 @@ from typing import Any
 
 import torch
 
-from lightning_recover.membership import rejoin
+from lightning_recover.membership import handshake, milestones
+from lightning_recover.membership.recruiter import JoinAttempt
+from lightning_recover.membership.seat import Joining
+from lightning_recover.membership.transfer import donor_and_recipients, recv_state, send_state
 from lightning_recover.runtime import lifecycle
 from lightning_recover.recovery.job import RecoveryJob
 from lightning_recover.recovery.state import Join
@@ -55,7 +58,7 @@ def sync_initial_state(job: RecoveryJob, tensors: list[torch.Tensor]) -> None:
 
 
 def join_world(
-    job: RecoveryJob, joining: rejoin.Joining, *, mesh: Any, device: torch.device, state_key: str,
+    job: RecoveryJob, joining: Joining, *, mesh: Any, device: torch.device, state_key: str,
     restore: Callable[[dict[str, Any]], None],
 ) -> None:
     """A replacement: wait for the survivors' GO, grow the world with them, receive the live state.
@@ -68,17 +71,17 @@ def join_world(
     assert job.comm is not None and job.engine is not None and job.layout is not None and job.probes is not None
     probes = job.probes
     probes.fault_point("join_startup", step=joining.seat.attempt)
-    rejoin.mark("ready")
+    milestones.mark("ready")
     while True:
         if joining.link is not None:
             # A standby's replacement: merged only now, so that a loss among the survivors while
             # its script set up never cost it its seat.
             with probes.waiting():
-                if not rejoin.connect(joining):
-                    rejoin.give_up(joining, "the leader that spawned this standby is gone or training ended")
+                if not handshake.connect(joining):
+                    handshake.give_up(joining, "the leader that spawned this standby is gone or training ended")
         attempt = joining.seat.attempt
         with probes.waiting():
-            decision = rejoin.await_admission(joining, lambda: probes.fault_point("join_ready", step=attempt))
+            decision = handshake.await_admission(joining, lambda: probes.fault_point("join_ready", step=attempt))
         if decision == "go":
             if job.comm.grow(joining.merged):
                 break
@@ -86,11 +89,11 @@ def join_world(
         else:
             why = "the survivors dropped this re-join attempt or finished training"
         if decision == "abort" or joining.link is None:
-            rejoin.give_up(joining, why)
+            handshake.give_up(joining, why)
         # A standby's replacement whose attempt the survivors' own repair dropped asks again.
         joining.merged = None
         joiner.restart_timer()
-    rejoin.mark("go")
+    milestones.mark("go")
     joiner.admitted()
     lifecycle.start_rank(job.comm.rank, job.layout.world_size, end_of_job=job.host.end_of_job)
     job.host.on_ranks()
@@ -100,13 +103,13 @@ def join_world(
 
     def receive() -> dict[str, Any]:
         live = [r for r in replicas if r in comm.alive_replicas]
-        donor, _ = rejoin.donor_and_recipients(comm, live)
+        donor, _ = donor_and_recipients(comm, live)
         source = comm.members.index(layout.rank_of(donor, comm.shard))
         probes.fault_point("join_transfer", step=attempt)
-        return rejoin.recv_state(comm, source, mesh, device)
+        return recv_state(comm, source, mesh, device)
 
     checkpoint = job.engine.run_collective(receive)
-    rejoin.mark("state")
+    milestones.mark("state")
     job.take_over(checkpoint[state_key])
     job.engine.admit([Join(r) for r in replicas if r in comm.alive_replicas])
     if job.recruiter is not None:
@@ -119,11 +122,11 @@ def first_step(job: RecoveryJob) -> None:
     """A replacement's first step: from here on it is a member like any other."""
     assert job.joining is not None and job.probes is not None
     job.probes.fault_point("joined", step=job.joining.seat.attempt)
-    rejoin.mark("first_step")
+    milestones.mark("first_step")
     seat = job.joining.seat
     lost_at = seat.context.get("lost_at")
     print(f"[lightning-recover] replacement for rank {job.comm.rank if job.comm else '?'} (attempt {seat.attempt}) "
-          f"starts its first step: {rejoin.breakdown(seat.spawned_at, lost_at if isinstance(lost_at, float) else None)}",
+          f"starts its first step: {milestones.breakdown(seat.spawned_at, lost_at if isinstance(lost_at, float) else None)}",
           file=sys.stderr, flush=True)
     job.joining = None
 
@@ -140,7 +143,7 @@ def step_boundary(job: RecoveryJob, batch_idx: int, *, dump: Callable[[], dict[s
         admit(job, attempt, dump=dump, guard=guard)
 
 
-def admit(job: RecoveryJob, attempt: rejoin.JoinAttempt, *, dump: Callable[[], dict[str, Any]], guard: Guard) -> None:
+def admit(job: RecoveryJob, attempt: JoinAttempt, *, dump: Callable[[], dict[str, Any]], guard: Guard) -> None:
     """Survivors: grow the world with the ready replacements and send them the live state.
 
     ``dump()``: the framework's checkpoint of this moment with the protocol's state, sent by the donor replica."""
@@ -155,12 +158,12 @@ def admit(job: RecoveryJob, attempt: rejoin.JoinAttempt, *, dump: Callable[[], d
         return [r for r in attempt.replicas if r in comm.alive_replicas]
 
     def transfer() -> None:
-        donor, to = rejoin.donor_and_recipients(comm, live())
+        donor, to = donor_and_recipients(comm, live())
         if comm.replica == donor:
             probes.fault_point("join_transfer", step=attempt.number)
             checkpoint = dump()
             with guard("state transfer"):
-                rejoin.send_state(comm, checkpoint, to[comm.shard])
+                send_state(comm, checkpoint, to[comm.shard])
 
     job.engine.run_collective(transfer)
     done = time.perf_counter()

@@ -47,7 +47,7 @@ are its fates):
 * Fewer live replicas than ``min_replicas`` (``TooFewReplicasError``, ``stop``) reaches
   the script, which ends the rank with ``shutdown(exit_code=3)``; :meth:`shutdown`
   leaves without ``MPI_Finalize`` and the launcher reads a deliberate stop.
-* A replacement that cannot join gives up through :func:`lightning_recover.membership.rejoin.give_up`
+* A replacement that cannot join gives up through :func:`lightning_recover.membership.handshake.give_up`
   (its own exit; the survivors never wait on it).
 """
 
@@ -64,7 +64,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_recover.membership import rejoin
+from lightning_recover.membership import milestones
+from lightning_recover.membership.recruiter import Recruiter
+from lightning_recover.membership.seat import Joining, job_environ
 from lightning_recover.runtime import lifecycle
 from lightning_recover.comm.communicator import FaultTolerantComm
 from lightning_recover.config import ConfigurationError, RecoverConfig
@@ -131,7 +133,7 @@ class RecoveryJob:
         self.watchdog: HangWatchdog | None = None
         self.probes: Probes | None = None
         self.ledger: LeaderLedger | None = None
-        self.recruiter: rejoin.Recruiter | None = None
+        self.recruiter: Recruiter | None = None
         self.replica_group: ProcessGroupULFM | None = None
         #: This replica's ranks on MPI (rank = shard index).
         self.mates: Any = None
@@ -139,7 +141,7 @@ class RecoveryJob:
         self.replica_plane = "torch"
         #: This process is a replacement that has not run its first step yet: the survivors are
         #: past the setup-time collectives it would otherwise ask them for.
-        self.joining: rejoin.Joining | None = None
+        self.joining: Joining | None = None
         #: The protocol state a resume or a re-join continues from (the data planner loads it).
         self.resumed: dict[str, Any] | None = None
 
@@ -179,14 +181,14 @@ class RecoveryJob:
         lifecycle.start_rank(self.comm.rank, self.layout.world_size, end_of_job=self.host.end_of_job)
         self._start_protocol(self.comm.world.Split(self.comm.replica, self.comm.shard))
 
-    def start_replacement(self, joining: rejoin.Joining, host: JobHost) -> None:
+    def start_replacement(self, joining: Joining, host: JobHost) -> None:
         """This process replaces a lost rank: everything of :meth:`start` that needs no survivor.
 
         It becomes a member of the world in the strategy's ``setup``
         (:func:`lightning_recover.recovery.admission.join_world`), once its model and
         optimizer exist to receive the live state."""
         self._host = host
-        rejoin.mark("strategy")
+        milestones.mark("strategy")
         lifecycle.install_crash_hook(joining.rank)
         self._refuse_several_devices()
         self._check_planes()
@@ -260,7 +262,7 @@ class RecoveryJob:
                 # Standbys start now, while this job still sets up, not after its first loss.
                 self.recruiter.tend(training=False)
 
-    def _make_recruiter(self) -> rejoin.Recruiter:
+    def _make_recruiter(self) -> Recruiter:
         assert self.comm is not None and self.layout is not None
         c, layout = self.config, self.layout
 
@@ -269,10 +271,10 @@ class RecoveryJob:
                 "world_size": layout.world_size, "timeout_s": c.rejoin_timeout_s,
                 "heartbeats": str(self.watchdog.dir) if self.watchdog is not None else None,
                 "logger_versions": self.host.logger_versions(),
-                "environ": rejoin.job_environ(),
+                "environ": job_environ(),
             }
 
-        return rejoin.Recruiter(
+        return Recruiter(
             self.comm, hosts=c.rejoin_hosts, attempts=c.rejoin_attempts, backoff_s=c.rejoin_backoff_s,
             timeout_s=c.rejoin_timeout_s, context=context, standbys=c.rejoin_standbys, shards=c.shards,
         )

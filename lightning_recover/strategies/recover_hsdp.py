@@ -44,7 +44,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_recover import _lightning
-from lightning_recover.membership import rejoin
+from lightning_recover.membership.seat import seat as spawned_seat
 from lightning_recover.runtime import lifecycle
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.feed.data import StepTicket, TicketLoader
@@ -217,7 +217,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         # and engine are made once, by the first.
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         if self.comm is None:
-            joining, host = rejoin.seat(), job_host(self, trainer, on_ranks=self._set_ranks, on_membership=self._on_membership)
+            joining, host = spawned_seat(), job_host(self, trainer, on_ranks=self._set_ranks, on_membership=self._on_membership)
             if joining is None:
                 self.job.start(host)
             else:

@@ -1,4 +1,4 @@
-"""What a replacement's script finds in its environment (lightning_recover.membership.joiner.job_environment, rejoin.job_environ)."""
+"""What a replacement's script finds in its environment (lightning_recover.membership.joiner.job_environment, seat.job_environ)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recover.membership import joiner, rejoin
+from lightning_recover.membership import joiner, milestones
+from lightning_recover.membership.seat import Seat, job_environ
 
 
-def seat(context: dict) -> rejoin.Seat:
-    return rejoin.Seat(ranks=(2, 3), attempt=1, spawned_at=0.0, context=context)
+def seat(context: dict) -> Seat:
+    return Seat(ranks=(2, 3), attempt=1, spawned_at=0.0, context=context)
 
 
 def test_replacement_sees_the_jobs_world_and_its_logical_rank() -> None:
@@ -38,7 +39,7 @@ def test_survivors_forward_only_the_jobs_own_settings(monkeypatch: pytest.Monkey
     monkeypatch.setenv("LIGHTNING_RECOVER_MPI_WAIT", "sleep")
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
     monkeypatch.setenv("PMIX_RANK", "0")
-    env = rejoin.job_environ()
+    env = job_environ()
     assert env["LR_RUN_STAMP"] == "stamp" and env["LIGHTNING_RECOVER_MPI_WAIT"] == "sleep"
     assert not any(k.startswith(("OMPI_", "PMIX_")) for k in env), env
 
@@ -62,12 +63,12 @@ def test_a_standby_imports_only_installed_packages_the_script_imports_at_its_top
 
 
 def test_the_breakdown_names_each_phase_reached_and_the_time_since_the_loss(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rejoin, "_marks", {"python": 101.0, "merged": 101.5, "strategy": 104.0, "ready": 104.5, "go": 105.0})
-    line = rejoin.breakdown(100.0, lost_at=99.0)
+    monkeypatch.setattr(milestones, "_marks", {"python": 101.0, "merged": 101.5, "strategy": 104.0, "ready": 104.5, "go": 105.0})
+    line = milestones.breakdown(100.0, lost_at=99.0)
     assert line == ("spawn to Python 1.00 s, MPI start and merge 0.50 s, script imports and set-up 2.50 s, "
                     "model, optimizer, Lightning set-up 0.50 s, waiting for a step boundary 0.50 s; 6.00 s after the loss")
     with pytest.raises(ValueError, match="unknown re-join milestone 'nap'"):
-        rejoin.mark("nap")
+        milestones.mark("nap")
 
 
 def test_standby_count_is_validated_naming_the_value() -> None:

@@ -21,7 +21,7 @@ import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_recover.callbacks import CorruptionCheck, FaultInjection, RecoveryCallback, resolve_ckpt_path  # noqa: E402
-from lightning_recover.membership import rejoin  # noqa: E402
+from lightning_recover.membership.seat import seat  # noqa: E402
 from lightning_recover.strategies import ReCoVerHSDPStrategy  # noqa: E402
 from lightning_recover.workload.step_plan import PolicyError  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -222,7 +222,7 @@ def dead_ranks_loaders(out: Path, alive: list[int], shards: int) -> list[int]:
 
 def exit_at_start(specs: list[str]) -> None:
     """``--replacement-exit``: a replacement of a named rank ends before it could be admitted."""
-    joining = rejoin.seat()
+    joining = seat()
     if joining is None:
         return
     for spec in specs:

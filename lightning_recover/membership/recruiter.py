@@ -1,0 +1,509 @@
+"""Hot re-join over ULFM: replacement replicas start while the survivors train, and join at a step boundary.
+
+A job that lost replicas spawns replacements (``recover.rejoin=true``), up to the replica
+count it started with. A replacement takes the *logical ranks* of a lost replica (the
+layout never changes) and runs the same program: the interpreter and the original argv,
+behind ``python -m lightning_recover.membership.joiner`` (:mod:`lightning_recover.membership.joiner`), which
+initializes MPI and merges with the survivors *before* the script imports torch.
+
+One join attempt, as every survivor runs it (the leader decides at each step boundary and
+broadcasts its decision, one small broadcast per step while replicas are missing)::
+
+    START    every survivor duplicates its world and, in a background thread, Spawns
+             k = missing replicas x S processes on the duplicate and Merges them (survivors
+             first). Spawn returns once the children initialized MPI (about the start of a
+             bare interpreter); the survivors' step loop never waits for it.
+    (wait)   each replacement runs the user's script; its strategy builds the model and the
+             optimizer, sends READY to the merged communicator's rank 0 and waits for GO.
+    ADMIT    at the first step boundary after every replacement is READY (never an epoch's
+             first step): the leader sends GO; every member calls
+             :meth:`FaultTolerantComm.grow` on the merged communicator, which first meets
+             every member in a non-blocking barrier bounded by the attempt's time (at least
+             :data:`ADMIT_GRACE_S` more), the survivors agreeing on their own world whether
+             all came; the donor replica (the lowest veteran) sends Lightning's own
+             checkpoint, dumped in memory, shard by shard
+             (:mod:`lightning_recover.membership.transfer`); every rank admits the new replicas into the policy
+             (:meth:`StepEngine.admit`).
+    DROP     a replacement died (the leader's probe of the merged communicator fails), the
+             spawn failed, the attempt passed ``rejoin_timeout_s``, or not every member came
+             to the admission's barrier: the survivors drop the merged communicator (never
+             revoke it: on Open MPI 5.0.11 revoking a communicator shared with a dead child
+             wedged the survivors' next broadcast on their own world), the leader tells the
+             replacements that said READY to ABORT, and the next attempt waits
+             ``rejoin_backoff_s`` (doubled per failure in a row). After ``rejoin_attempts``
+             failures in a row the job carries on without.
+
+**What a failing replacement costs.** A replacement that exits (any status), crashes
+(SIGKILL) or wedges (SIGSTOP) at any point before admission costs the survivors at most
+its attempt: ``rejoin_timeout_s`` from the spawn (plus :data:`ADMIT_GRACE_S` if it fails
+inside an admission that began near the limit), then the usual drop, backoff and give-up.
+Two rules keep it so, because Open MPI 5.0.11 does not report every death: of two spawned
+processes that exit with a non-zero status, only one ever reaches the survivors as a
+process failure (the runtime's abort of their job stalls), and a first message to the other
+waits forever inside ``MPI_Isend`` (the address lookup that opens the connection). So:
+
+* before admission the survivors send only to replacements whose READY they received (that
+  message opened the connection): ABORT goes to those, GO only when all are READY; a
+  replacement that never said READY is never contacted and leaves by its own timer;
+* every wait on the replacements is bounded: the leader's probe for READY never blocks,
+  and admission's first collective is the bounded barrier above; the survivors only enter
+  the blocking part of :meth:`~FaultTolerantComm.grow` once every member has met them.
+
+On top of that the joiner turns a script's exit or uncaught exception before admission into
+SIGKILL (:mod:`lightning_recover.membership.joiner`), which Open MPI does report, so such an attempt is
+usually dropped at the next step boundary rather than after ``rejoin_timeout_s``.
+
+A repair of the survivors' world while an attempt is open drops it the same way (a
+survivor of the merged communicator is gone). A replacement that is never admitted leaves
+by itself after ``rejoin_timeout_s`` (the joiner's timer), so none outlives its attempt;
+and when an attempt is dropped (or training ends) the leader SIGKILLs the attempt's
+replacements on its host that nobody tells to leave -- those that never said READY, and all
+of them once GO was sent -- from the pid and start time each sent right after the merge
+(:func:`~lightning_recover.membership.handshake.say_hello`): a stopped one, which its own
+timer cannot end, would otherwise hold ``mpiexec`` open after training when the hang
+watchdog is off.
+A Spawn that never returns (a child killed before MPI_Init completed) leaves a parked
+daemon thread behind: the attempt is dropped by its timeout, bounded by the attempt limit.
+
+Drops caused by the survivors' own repair (any attempt) are not failures: no backoff, not
+counted against ``rejoin_attempts``.
+
+Here: :class:`Recruiter`, which runs every attempt on every survivor (START, ADMIT, DROP),
+and :class:`JoinAttempt`, one attempt's state. The rest of re-join is in its own modules:
+the replacement's seat (:mod:`~lightning_recover.membership.seat`), the messages and the
+replacement's half of them (:mod:`~lightning_recover.membership.handshake`), the leader's
+warm standbys (:mod:`~lightning_recover.membership.standby`, a base of the recruiter), the
+state transfer (:mod:`~lightning_recover.membership.transfer`) and the replacement's
+start-up times (:mod:`~lightning_recover.membership.milestones`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lightning_recover.membership.handshake import ABORT, GO, TAG_DECISION, TAG_HELLO, TAG_READY, TAG_SEAT, host_checksum
+from lightning_recover.membership.seat import Seat
+from lightning_recover.membership.standby import Standby, WarmStandbys
+from lightning_recover.runtime import lifecycle
+
+if TYPE_CHECKING:
+    from lightning_recover.comm.communicator import FaultTolerantComm
+
+__all__ = ["JoinAttempt", "Recruiter"]
+
+#: Seconds an admission may wait for every member beyond the attempt's limit (one that became
+#: ready just before ``rejoin_timeout_s`` still gets this long to meet the survivors).
+ADMIT_GRACE_S = 10.0
+
+# The leader's per-boundary decision, broadcast to every survivor.
+NOTHING, START, ADMIT, DROP = 0, 1, 2, 3
+#: The second code of a START: a cold spawn (otherwise the replica whose seated standby connects).
+COLD = -1
+
+
+def _mpi() -> Any:
+    """``mpi4py.MPI``, imported on first use: the import initializes MPI, which the joiner does itself first."""
+    from mpi4py import MPI
+
+    return MPI
+
+
+@dataclass
+class JoinAttempt:
+    """One spawn attempt in flight: its per-attempt state, in one object."""
+
+    number: int
+    replicas: tuple[int, ...]
+    seat: Seat
+    #: Survivors in the merged communicator (the replacements are ranks ``survivors..``).
+    survivors: int
+    started: float = field(default_factory=time.monotonic)
+    thread: threading.Thread | None = None
+    merged: Any = None
+    error: str | None = None
+    #: Merged-communicator ranks that said READY (counted by the leader).
+    ready: set[int] = field(default_factory=set)
+    #: What each replacement said right after the merge (the leader's): pid, start time, host checksum.
+    procs: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    #: GO was sent: from here on nobody tells the replacements anything more.
+    admitting: bool = False
+    #: The seated standby this attempt merges (the leader's; None on the others and for a cold spawn).
+    standby: Standby | None = None
+    #: The port the survivors accept a standby on (the leader's), closed when the attempt ends.
+    port: str | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.seat.ranks)
+
+    def joiner_ranks(self) -> range:
+        return range(self.survivors, self.survivors + self.size)
+
+
+class Recruiter(WarmStandbys):
+    """The survivors' side of hot re-join; :meth:`boundary` runs at every step boundary on every survivor."""
+
+    def __init__(
+        self,
+        comm: FaultTolerantComm,
+        *,
+        hosts: str | None,
+        attempts: int,
+        backoff_s: float,
+        timeout_s: float,
+        argv: Sequence[str] | None = None,
+        context: Callable[[], dict[str, Any]] = dict,
+        standbys: int = 0,
+        shards: int = 1,
+    ) -> None:
+        self.comm = comm
+        self.hosts = hosts
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+        self.timeout_s = timeout_s
+        self.argv = list(sys.argv if argv is None else argv)
+        self.context = context
+        self.attempt: JoinAttempt | None = None
+        self.started_attempts = 0
+        self.failures_in_a_row = 0
+        self._next_try = 0.0
+        # Buffers of decisions sent without waiting (their requests are freed; MPI may still read them).
+        self._sent: list[np.ndarray] = []
+        #: Warm standbys to keep (the leader's, see :mod:`lightning_recover.membership.standby`).
+        self.standbys = standbys
+        self.shards = shards
+        self.pool: list[Standby] = []
+        self.seated: list[Standby] = []
+        self.spawned_standbys = 0
+        #: Standbys lost before they served, in a row; at ``attempts`` the leader stops spawning them.
+        self.standby_failures = 0
+        #: Wall-clock time of the survivors' latest loss (:meth:`note_loss`), for the replacements' breakdown.
+        self.lost_at: float | None = None
+        self._training = False
+
+    def note_loss(self) -> None:
+        """The survivors repaired their world: the clock of "capacity back" starts now."""
+        self.lost_at = time.time()
+
+    def joined_at(self, attempt: int) -> None:
+        """A replacement admitted by ``attempt`` continues the survivors' count (every member must
+        agree on :meth:`active` and number the next attempt alike)."""
+        self.started_attempts, self.failures_in_a_row, self.attempt = attempt, 0, None
+
+    @property
+    def missing(self) -> tuple[int, ...]:
+        """Replicas of the original layout that are not live."""
+        alive = set(self.comm.alive_replicas)
+        return tuple(r for r in range(self.comm.layout.replicas) if r not in alive)
+
+    def active(self) -> bool:
+        """Whether this boundary needs the leader's decision (the same answer on every survivor)."""
+        return self.attempt is not None or (bool(self.missing) and self.failures_in_a_row < self.attempts)
+
+    def boundary(self, can_admit: bool) -> JoinAttempt | None:
+        """The leader's decision, applied on every survivor. Returns the attempt to admit now, if any.
+
+        Collective over the survivors' world (wrap it in ``StepEngine.run_collective``);
+        a caller that gets an attempt runs the admission (:meth:`admit`) right away.
+        """
+        if not self.active():
+            return None
+        codes = self._decide(can_admit) if self.comm.is_leader else (NOTHING, COLD)
+        code, replica = self.comm.broadcast_codes(list(codes))
+        if code == START:
+            self._start(replica)
+        elif code == DROP:
+            self.drop("the replacements did not start" if self.attempt is None or self.attempt.error is None else self.attempt.error)
+        elif code == ADMIT:
+            return self.attempt
+        return None
+
+    def _decide(self, can_admit: bool) -> tuple[int, int]:
+        att = self.attempt
+        if att is None:
+            if self.serving_standbys():
+                # A seated standby whose script is ready is merged now; otherwise wait for one
+                # (a cold spawn now would only take cores from the standbys starting up).
+                ready = next((sb for sb in self.seated if len(sb.connecting) == self.shards), None)
+                return (START, ready.replica) if ready is not None and ready.replica is not None else (NOTHING, COLD)
+            return (START, COLD) if time.monotonic() >= self._next_try else (NOTHING, COLD)
+        status = self._status(att)
+        if status == "failed":
+            return DROP, COLD
+        if status == "ready" and can_admit:
+            return ADMIT, COLD
+        return NOTHING, COLD
+
+    def _status(self, att: JoinAttempt) -> str:
+        """The leader's view of an attempt: "ready", "failed" or "waiting"."""
+        MPI = _mpi()
+        timed_out = time.monotonic() - att.started > self.timeout_s
+        if att.error is not None:
+            return "failed"
+        if att.merged is None:
+            if att.standby is not None and (att.standby.error is not None or not att.standby.alive_on_this_host()):
+                att.error = f"standby {att.standby.number} died before it was merged"
+                return "failed"
+            if timed_out:
+                att.error = f"the spawn did not complete in {self.timeout_s:g} s (recover.rejoin_timeout_s)"
+                return "failed"
+            return "waiting"
+        status = MPI.Status()
+        buf = np.zeros(1, dtype=np.int64)
+        try:
+            self._collect_hellos(att)
+            while att.merged.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_READY, status=status):
+                src = status.Get_source()
+                att.merged.Recv([buf, MPI.INT64_T], source=src, tag=TAG_READY)
+                att.ready.add(src)
+        except MPI.Exception as exc:
+            att.error = f"a replacement died while starting ({exc.Get_error_string()})"
+            return "failed"
+        if len(att.ready) == att.size:
+            return "ready"
+        if timed_out:
+            att.error = f"{att.size - len(att.ready)} replacement(s) not ready after {self.timeout_s:g} s (recover.rejoin_timeout_s)"
+            return "failed"
+        return "waiting"
+
+    def _start(self, replica: int = COLD) -> None:
+        if replica != COLD:
+            self._start_standby(replica)
+            return
+        layout = self.comm.layout
+        replicas = self.missing
+        ranks = tuple(layout.rank_of(r, s) for r in replicas for s in range(layout.shards))
+        self.started_attempts += 1
+        seat_ = Seat(ranks, self.started_attempts, time.time(), self._context())
+        att = JoinAttempt(self.started_attempts, replicas, seat_, survivors=self.comm.world.Get_size())
+        dup = self.comm.duplicate_world()
+        info = self._spawn_info()
+        args = ["-m", "lightning_recover.membership.joiner", seat_.to_json(), *self.argv]
+
+        self._merge_in_background(
+            att, lambda: dup.Spawn(sys.executable, args=args, maxprocs=len(ranks), info=info, root=0), "spawn failed", "spawn"
+        )
+        if self.comm.is_leader:
+            print(
+                f"[lightning-recover] re-join attempt {att.number}: spawning {len(ranks)} rank(s) for replica(s) {list(replicas)}",
+                file=sys.stderr, flush=True,
+            )
+
+    def close(self) -> None:
+        """End of training: an open attempt's replacements are told ABORT (they leave at once), the others fenced;
+        the leader's standbys are told to leave (those still starting are fenced)."""
+        att, self.attempt = self.attempt, None
+        if att is not None:
+            self._abort(att)
+            self._fence(att, "training ended before it was admitted")
+            self._end_attempt_port(att)
+        for sb in [*self.pool, *self.seated]:
+            self._dismiss(sb, "training ended")
+        self.pool, self.seated = [], []
+
+    def _context(self) -> dict[str, Any]:
+        """What a seat carries (:attr:`Seat.context`): the survivors' context, and when they lost the replica."""
+        return {**self.context(), "lost_at": self.lost_at}
+
+    def _spawn_info(self) -> Any:
+        """Where spawned processes go, cold replacements and standbys alike (``recover.rejoin_hosts``)."""
+        MPI = _mpi()
+        info = MPI.Info.Create()
+        info.Set("wdir", os.getcwd())
+        info.Set("bind_to", "none")
+        if self.hosts:
+            info.Set("host", self.hosts)
+        else:
+            # A dead rank's slot is not given back: only an oversubscribed placement finds room.
+            info.Set("map_by", ":OVERSUBSCRIBE")
+        return info
+
+    def _start_standby(self, replica: int) -> None:
+        """START for a seated standby: every survivor accepts it on a duplicate of the world (background thread)."""
+        MPI = _mpi()
+        layout = self.comm.layout
+        ranks = tuple(layout.rank_of(replica, s) for s in range(layout.shards))
+        self.started_attempts += 1
+        seat_ = Seat(ranks, self.started_attempts, time.time(), self._context())
+        att = JoinAttempt(self.started_attempts, (replica,), seat_, survivors=self.comm.world.Get_size())
+        dup = self.comm.duplicate_world()
+        if self.comm.is_leader:
+            att.standby = next(sb for sb in self.seated if sb.replica == replica)
+            att.port = MPI.Open_port()
+            att.standby.connecting.clear()
+            self._send_link(att.standby, {"port": att.port, "attempt": att.number}, TAG_SEAT)
+            # The standby's processes, by their rank in the merged communicator (for the fence).
+            for r, proc in att.standby.procs.items():
+                att.procs[att.survivors + r - 1] = proc
+
+        self._merge_in_background(att, lambda: dup.Accept(att.port, root=0), "the standby's merge failed", "accept")
+        if self.comm.is_leader:
+            assert att.standby is not None
+            print(f"[lightning-recover] re-join attempt {att.number}: merging standby {att.standby.number} "
+                  f"for replica {replica}", file=sys.stderr, flush=True)
+
+    def _merge_in_background(self, att: JoinAttempt, connect: Callable[[], Any], failure: str, name: str) -> None:
+        """Reach the replacements (``connect`` returns the inter-communicator) and merge them, on a helper
+        thread so the survivors keep training; the attempt holds the result (``merged``) or why not (``error``)."""
+        MPI = _mpi()
+
+        def run() -> None:
+            try:
+                merged = connect().Merge(high=False)
+                merged.Set_errhandler(MPI.ERRORS_RETURN)
+                att.merged = merged
+            except MPI.Exception as exc:
+                att.error = f"{failure}: {exc.Get_error_string()}"
+            except Exception as exc:  # noqa: BLE001 - a thread's exception would vanish and leave the attempt waiting
+                att.error = f"{failure}: {type(exc).__name__}: {exc}"
+
+        att.thread = threading.Thread(target=run, name=f"lightning-recover-{name}-{att.number}", daemon=True)
+        self.attempt = att
+        att.thread.start()
+
+    def _end_attempt_port(self, att: JoinAttempt) -> None:
+        """Close the leader's port once its accept returned (a parked one keeps it)."""
+        if att.port is not None and att.thread is not None and not att.thread.is_alive():
+            try:
+                _mpi().Close_port(att.port)
+            except _mpi().Exception:
+                pass
+            att.port = None
+
+    def _collect_hellos(self, att: JoinAttempt) -> None:
+        """The leader receives what the replacements said after the merge
+        (:func:`~lightning_recover.membership.handshake.say_hello`); never blocks."""
+        MPI = _mpi()
+        status = MPI.Status()
+        buf = np.zeros(3, dtype=np.int64)
+        while att.merged.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_HELLO, status=status):
+            src = status.Get_source()
+            att.merged.Recv([buf, MPI.INT64_T], source=src, tag=TAG_HELLO)
+            att.procs[src] = (int(buf[0]), int(buf[1]), int(buf[2]))
+
+    def _fence(self, att: JoinAttempt, reason: str) -> None:
+        """The leader SIGKILLs the dropped attempt's replacements on its host that nobody will tell to leave:
+        those that never said READY (dead, wedged or still starting), and all of them once GO was sent.
+
+        Their own timer ends a replacement that runs; a stopped one (SIGSTOP) it cannot end, and
+        that one would hold ``mpiexec`` open after training when the hang watchdog is off
+        (``--hang-timeout 0``). A replacement on another host is left to its timer."""
+        if not self.comm.is_leader:
+            return
+        MPI = _mpi()
+        if att.merged is not None:
+            try:
+                self._collect_hellos(att)
+            except MPI.Exception:
+                pass  # a dead member: fence those that said who they are
+        host = host_checksum()
+        for r in att.joiner_ranks():
+            if r in att.procs and (att.admitting or r not in att.ready):
+                pid, start, where = att.procs[r]
+                if where == host:
+                    lifecycle.kill_process(
+                        pid, str(start), f"re-join attempt {att.number}: {reason}", by="leader",
+                        target=f"replacement for rank {att.seat.ranks[r - att.survivors]}",
+                    )
+
+    def _abort(self, att: JoinAttempt) -> None:
+        """Tell the replacements that said READY to leave, never blocking; the others are not contacted.
+
+        A first send to a process opens the connection to it, and Open MPI looks its address
+        up in the runtime then: for a replacement that died unreported (two that exited with
+        a non-zero status in one attempt: only the first death reached the survivors) that
+        lookup waits forever, inside ``Isend``, on the survivor's main thread. A replacement
+        that said READY is connected already (its message came in); one that did not is dead,
+        wedged or still starting, and leaves by its own timer (:mod:`lightning_recover.membership.joiner`)."""
+        MPI = _mpi()
+        if self.comm.is_leader and att.merged is not None:
+            abort = np.array([ABORT], dtype=np.int64)
+            self._sent.append(abort)  # the buffer outlives the freed requests
+            for r in sorted(att.ready):
+                try:
+                    att.merged.Isend([abort, MPI.INT64_T], dest=r, tag=TAG_DECISION).Free()
+                except MPI.Exception:
+                    pass  # that one is dead
+
+    def drop(self, reason: str, *, notify: bool = True, repaired: bool = False) -> None:
+        """Give the open attempt up (on every survivor): tell live replacements (``notify``), back off.
+
+        After a repair nobody is told: a member of the merged communicator died, which
+        interrupts the replacements' wait for the decision by itself. Such a drop
+        (``repaired``) is the survivors' own doing, not the replacements' failure: it is not
+        counted against ``rejoin_attempts``, the next attempt starts at the next boundary
+        without backoff, and a standby's replacement keeps its seat (it asks to be merged
+        again, see :func:`~lightning_recover.membership.handshake.connect`)."""
+        att, self.attempt = self.attempt, None
+        if att is None:
+            return
+        self._end_attempt_port(att)
+        if repaired:
+            if att.standby is not None and att.standby.error is None:
+                att.standby.connecting.clear()  # it keeps its seat, and asks again
+            else:
+                self._fence(att, f"dropped ({reason})")
+                if att.standby is not None:
+                    self._forget(att.standby, reason)
+            self._next_try = time.monotonic()
+            if self.comm.is_leader:
+                print(f"[lightning-recover] re-join attempt {att.number} dropped: {reason}; next attempt at the next "
+                      f"step boundary" + (" (the standby keeps its seat)" if att.standby is not None else ""),
+                      file=sys.stderr, flush=True)
+            return
+        if notify:
+            self._abort(att)
+        self._fence(att, f"dropped ({reason})")
+        if att.standby is not None and att.standby in self.seated:
+            self.seated.remove(att.standby)
+            self._fence_standby(att.standby, f"dropped ({reason})")
+        self.failures_in_a_row += 1
+        self._next_try = time.monotonic() + self.backoff_s * 2 ** (self.failures_in_a_row - 1)
+        if self.comm.is_leader:
+            more = self.failures_in_a_row < self.attempts
+            print(
+                f"[lightning-recover] re-join attempt {att.number} dropped: {reason}; "
+                + (f"next attempt in {self.backoff_s * 2 ** (self.failures_in_a_row - 1):g} s" if more
+                   else f"{self.attempts} failed in a row (recover.rejoin_attempts): training goes on without"),
+                file=sys.stderr, flush=True,
+            )
+
+    def admit(self, att: JoinAttempt) -> bool:
+        """Send GO and grow the world (every survivor); False, with the attempt dropped, if a member died
+        or did not come within the attempt's time (at least :data:`ADMIT_GRACE_S` from now)."""
+        MPI = _mpi()
+        assert att.thread is not None
+        deadline = max(att.started + self.timeout_s, time.monotonic() + ADMIT_GRACE_S)
+        # The leader's merge completed, so every survivor's should have; a survivor whose merge
+        # did not complete in time says so in grow's agreement, and the attempt is dropped everywhere.
+        att.thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        att.admitting = True
+        if self.comm.is_leader and att.merged is not None:
+            go = np.array([GO], dtype=np.int64)
+            self._sent.append(go)
+            for r in att.joiner_ranks():  # every one said READY: connected, the send cannot wait on the runtime
+                try:
+                    att.merged.Isend([go, MPI.INT64_T], dest=r, tag=TAG_DECISION).Free()
+                except MPI.Exception:
+                    pass  # grow's agreement below fails everywhere
+        if not self.comm.grow(att.merged, deadline=deadline):
+            self.attempt = att
+            self.drop("a replacement died or did not come while the world grew", notify=False)
+            att.merged = None  # gone members: never reuse it
+            return False
+        self.attempt = None
+        self.failures_in_a_row = 0
+        self._end_attempt_port(att)
+        if att.standby is not None:
+            self.seated.remove(att.standby)
+            self.standby_failures = 0
+        return True
+

@@ -1,0 +1,287 @@
+"""Warm standbys: the leader keeps replica-sized sets of processes started ahead of any loss.
+
+**Warm standbys** (``recover.rejoin_standbys = n``). A cold replacement spends most of its
+time before the loss could matter to it: starting Python and MPI, importing torch and
+Lightning, running the script's set-up (on this project's 2-core machine, 8-15 s of the
+13-29 s measured from the kill to contributing again). So the leader keeps ``n`` standbys
+spawned ahead of any loss, each one replica's processes::
+
+    SPAWN    the leader alone Spawns S processes from MPI_COMM_SELF (a background thread;
+             the next one only once the others are warm) and Merges them into a *link*
+             (leader rank 0). They run ``python -m lightning_recover.membership.joiner --standby``:
+             say hello (pid) on the link, import the strategy and the installed packages the
+             script imports at its top level (nothing of the user's own code), say WARM, and
+             sleep, looking at the link every
+             :data:`~lightning_recover.membership.handshake.STANDBY_POLL_S` (no core taken).
+    SEAT     a replica is lost: at the next boundary the leader sends a warm standby the
+             lost replica's seat (no collective: only the leader knows its standbys). The
+             standby starts its timer and runs the script as that replica's ranks, up to
+             admission, where it sends CONNECT on the link.
+    START    at the first boundary after CONNECT the leader decides START for that replica;
+             every survivor duplicates its world and Accepts on a port the leader opened and
+             sent over the link (a background thread); the standby Connects and both sides
+             Merge (survivors first). From here on it is a replacement like any other: READY,
+             ADMIT or DROP (:mod:`lightning_recover.membership.recruiter`).
+
+Why the merge waits for the script: a standby's merged communicator is made from the
+survivors' world *after* its script set up, so a loss among the survivors during the
+script costs nothing; a loss during the short merge-and-admit window drops the attempt as
+usual (a repair), but a standby's replacement keeps its seat and sends CONNECT again (its
+timer restarts). ``MPI_Intercomm_create`` between the link and the world would need no port,
+but it crashed Open MPI 5.0.11's ``coll/han`` on the merged communicator here;
+Accept/Connect exchanges what ``han`` needs. A standby whose leader dies leaves by itself
+(an MPI error on the link, or the leader's pid gone from this host); the new leader spawns
+its own. At the end of training the leader tells its standbys to leave (``quit``) and
+fences (SIGKILL, same host) those that never said hello. A standby that dies is counted:
+after ``rejoin_attempts`` in a row the leader spawns no more and replacements are spawned
+cold again.
+
+Here: :class:`Standby`, one standby as the leader sees it, and :class:`WarmStandbys`, the
+leader's keeping of them (SPAWN and SEAT, deaths, dismissal), a part of the
+:class:`~lightning_recover.membership.recruiter.Recruiter`, which starts and admits the
+attempts (START and after). The standby's own side is the joiner's ``--standby`` mode and
+:mod:`lightning_recover.membership.handshake`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from lightning_recover.membership.handshake import TAG_CONNECT, TAG_HELLO, TAG_SEAT, TAG_WARM, host_checksum
+from lightning_recover.membership.seat import Seat
+from lightning_recover.runtime import lifecycle
+
+if TYPE_CHECKING:
+    from lightning_recover.comm.communicator import FaultTolerantComm
+
+__all__ = ["OpenAttempt", "Standby", "WarmStandbys"]
+
+
+def _mpi() -> Any:
+    """``mpi4py.MPI``, imported on first use: the import initializes MPI, which the joiner does itself first."""
+    from mpi4py import MPI
+
+    return MPI
+
+
+@dataclass
+class Standby:
+    """One warm standby as the leader sees it: one replica's processes, spawned ahead of a loss."""
+
+    number: int
+    spawned_at: float = field(default_factory=time.time)
+    thread: threading.Thread | None = None
+    #: The leader (rank 0) and the standby's processes (ranks 1..S, in their own world's order).
+    link: Any = None
+    error: str | None = None
+    #: What each process said right after its merge with the leader: pid, start time, host checksum.
+    procs: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    #: Link ranks that finished their imports (TAG_WARM).
+    warm: set[int] = field(default_factory=set)
+    #: The replica it was seated for (its script runs as that replica's ranks), None while idle.
+    replica: int | None = None
+    #: Link ranks whose script reached admission and asked to be merged (TAG_CONNECT).
+    connecting: set[int] = field(default_factory=set)
+
+    def alive_on_this_host(self) -> bool:
+        """False when a process of it that said hello on this host is gone (SIGKILL, exit)."""
+        host = host_checksum()
+        return all(lifecycle.process_start_time(pid) == str(start)
+                   for pid, start, where in self.procs.values() if where == host and start >= 0)
+
+
+class OpenAttempt(Protocol):
+    """What the keeping of standbys reads of the recruiter's open attempt
+    (a :class:`~lightning_recover.membership.recruiter.JoinAttempt`)."""
+
+    @property
+    def replicas(self) -> tuple[int, ...]: ...
+
+    @property
+    def standby(self) -> Standby | None: ...
+
+
+class WarmStandbys:
+    """The leader's warm standbys, kept at every step boundary (:meth:`tend`): a base of
+    :class:`~lightning_recover.membership.recruiter.Recruiter`, which owns the state below."""
+
+    # The recruiter's state these methods share (set in Recruiter.__init__).
+    comm: FaultTolerantComm
+    attempts: int
+    timeout_s: float
+    argv: list[str]
+    attempt: OpenAttempt | None
+    started_attempts: int
+    _sent: list[np.ndarray]
+    standbys: int
+    shards: int
+    pool: list[Standby]
+    seated: list[Standby]
+    spawned_standbys: int
+    standby_failures: int
+    _training: bool
+
+    if TYPE_CHECKING:
+        # The recruiter's, which the standbys share with its cold spawns.
+        @property
+        def missing(self) -> tuple[int, ...]: ...
+
+        def _context(self) -> dict[str, Any]: ...
+
+        def _spawn_info(self) -> Any: ...
+
+    def serving_standbys(self) -> bool:
+        """Whether this job's missing replicas come from standbys (else from cold spawns): the leader's view."""
+        return self.standbys > 0 and (bool(self.pool) or bool(self.seated)) and self.standby_failures < self.attempts
+
+    def tend(self, *, training: bool = True) -> None:
+        """The leader, at every step boundary: keep :attr:`standbys` standbys, seat idle ones on missing
+        replicas, and notice deaths. Never blocks and sends only to processes that said hello.
+        ``training=False`` (the job still sets up): a standby spawned now imports at full priority."""
+        if not self.comm.is_leader or self.standbys <= 0:
+            return
+        self._training = training
+        for sb in [*self.pool, *self.seated]:
+            self._poll_standby(sb)
+            if sb.error is not None and (self.attempt is None or self.attempt.standby is not sb):
+                self._forget(sb, sb.error)
+        seated = {sb.replica for sb in self.seated}
+        if self.attempt is not None:
+            seated.update(self.attempt.replicas)
+        for r in self.missing:
+            if r in seated:
+                continue
+            idle = next((sb for sb in self.pool if len(sb.warm) == self.shards), None)
+            if idle is None:
+                break
+            self._seat(idle, r)
+        started = 0
+        # While the job sets up, every standby starts at once: their imports overlap the job's own
+        # start-up, and a loss in the first steps finds them all ready or nearly (one after the other,
+        # the second was ready 7 s after an early loss, where torchft's restart takes 5 s). During
+        # training one starts at a time: on hosts whose cores the training ranks use, two importing
+        # torch at once would both be ready late, where one after the other has the first ready early.
+        while (len(self.pool) < self.standbys and self.standby_failures < self.attempts
+               and (not training or all(len(sb.warm) == self.shards for sb in self.pool))):
+            self._spawn_standby()
+            started += 1
+        if started and not training:
+            print(f"[lightning-recover] {started} warm standby(s) starting while the job sets up (recover.rejoin_standbys)",
+                  file=sys.stderr, flush=True)
+
+    def _forget(self, sb: Standby, reason: str) -> None:
+        if sb in self.pool:
+            self.pool.remove(sb)
+        if sb in self.seated:
+            self.seated.remove(sb)
+        self.standby_failures += 1
+        self._fence_standby(sb, reason)
+        print(f"[lightning-recover] standby {sb.number} lost: {reason}"
+              + ("" if self.standby_failures < self.attempts else
+                 f"; {self.attempts} in a row (recover.rejoin_attempts): replacements are spawned cold from now on"),
+              file=sys.stderr, flush=True)
+
+    def _spawn_standby(self) -> None:
+        """Spawn one standby (one replica's processes) from this process alone, in a background thread."""
+        MPI = _mpi()
+        self.spawned_standbys += 1
+        sb = Standby(self.spawned_standbys)
+        start = lifecycle.process_start_time(os.getpid())
+        from lightning_recover.comm import mpi_wait
+
+        # On a host whose cores the job's ranks already share, a standby spawned during training
+        # would take cores from it: it yields them (see joiner.yield_while_warming). One spawned
+        # while the job sets up races the job's first loss instead, at full priority.
+        spec = {"number": sb.number, "leader_pid": os.getpid(), "leader_start": start, "leader_host": host_checksum(),
+                "spawned_at": sb.spawned_at, "yield_cpu": mpi_wait.polite() and self._training, "timeout_s": self.timeout_s}
+        args = ["-m", "lightning_recover.membership.joiner", "--standby", json.dumps(spec), *self.argv]
+        info = self._spawn_info()
+        # Spawn is collective over its communicator: standbys spawned at once from their own threads
+        # must not share one (two collectives in flight on one communicator are erroneous in MPI).
+        parent = MPI.COMM_SELF.Dup()
+
+        def spawn() -> None:
+            try:
+                inter = parent.Spawn(sys.executable, args=args, maxprocs=self.shards, info=info, root=0)
+                link = inter.Merge(high=False)
+                link.Set_errhandler(MPI.ERRORS_RETURN)
+                sb.link = link
+            except MPI.Exception as exc:
+                sb.error = f"spawn failed: {exc.Get_error_string()}"
+            finally:
+                parent.Free()
+
+        sb.thread = threading.Thread(target=spawn, name=f"lightning-recover-standby-{sb.number}", daemon=True)
+        self.pool.append(sb)
+        sb.thread.start()
+
+    def _poll_standby(self, sb: Standby) -> None:
+        """Read what a standby said (hello, warm, connect) without blocking; a dead one gets ``error``."""
+        MPI = _mpi()
+        if sb.link is None or sb.error is not None:
+            return
+        status = MPI.Status()
+        buf = np.zeros(3, dtype=np.int64)
+        try:
+            for tag in (TAG_HELLO, TAG_WARM, TAG_CONNECT):
+                while sb.link.Iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
+                    src = status.Get_source()
+                    sb.link.Recv([buf, MPI.INT64_T], source=src, tag=tag)
+                    if tag == TAG_HELLO:
+                        sb.procs[src] = (int(buf[0]), int(buf[1]), int(buf[2]))
+                    elif tag == TAG_WARM:
+                        sb.warm.add(src)
+                    else:
+                        sb.connecting.add(src)
+        except MPI.Exception as exc:
+            sb.error = f"a standby process died ({exc.Get_error_string()})"
+            return
+        if not sb.alive_on_this_host():
+            sb.error = "a standby process died"
+
+    def _send_link(self, sb: Standby, payload: dict[str, Any], tag: int) -> None:
+        """A small JSON message to every process of ``sb`` that said hello (connected: the send never waits)."""
+        MPI = _mpi()
+        data = np.frombuffer(json.dumps(payload).encode(), dtype=np.uint8).copy()
+        self._sent.append(data)  # the buffer outlives the freed requests
+        for r in sorted(sb.procs):
+            try:
+                sb.link.Isend([data, MPI.BYTE], dest=r, tag=tag).Free()
+            except MPI.Exception:
+                pass  # that one is dead: tend() notices
+
+    def _seat(self, sb: Standby, replica: int) -> None:
+        """Give an idle standby the seat of a lost replica: its script starts at once, merged later (connect)."""
+        layout = self.comm.layout
+        ranks = tuple(layout.rank_of(replica, s) for s in range(layout.shards))
+        seat_ = Seat(ranks, self.started_attempts + 1, time.time(), self._context())
+        self._send_link(sb, {"seat": seat_.to_json()}, TAG_SEAT)
+        self.pool.remove(sb)
+        sb.replica = replica
+        self.seated.append(sb)
+        print(f"[lightning-recover] standby {sb.number} takes the seat of replica {replica}", file=sys.stderr, flush=True)
+
+    def _dismiss(self, sb: Standby, reason: str) -> None:
+        """Tell a standby to leave (it exits 0); one that never said hello is fenced instead."""
+        if sb.link is not None:
+            self._poll_standby(sb)
+            if sb.procs and sb.error is None:
+                self._send_link(sb, {"quit": reason}, TAG_SEAT)
+        if len(sb.procs) < self.shards:
+            self._fence_standby(sb, reason)
+
+    def _fence_standby(self, sb: Standby, reason: str) -> None:
+        """SIGKILL the standby's processes on this host that are still there (a stopped or wedged one too)."""
+        host = host_checksum()
+        for pid, start, where in sb.procs.values():
+            if where == host and start >= 0:
+                lifecycle.kill_process(pid, str(start), f"standby {sb.number}: {reason}", by="leader", target="standby")
+
