@@ -23,6 +23,7 @@ caller has loaded it already), and annotations name it only for type checkers.
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -32,6 +33,9 @@ from lightning_recover.comm.buckets import ReduceHandle, plan_buckets
 from lightning_recover.comm.data_plane import DataPlane, MPIDataPlane, native_dtypes, widened_dtypes
 from lightning_recover.comm.interface import PeerFailure
 from lightning_recover.comm.ulfm import mpi
+
+#: What a garbled object collective raises (see Collectives._garbled).
+UNPICKLING_ERRORS: tuple[type[BaseException], ...] = (MemoryError, OverflowError, EOFError, pickle.UnpicklingError)
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +61,8 @@ class Collectives:
     _world_plane: MPIDataPlane | None
     #: The communicator's: an MPI error of ``where`` as the PeerFailure to raise (or the error itself, re-raised).
     _fail: Callable[[str, MPI.Exception], PeerFailure]
+    _failure_confirmed: Callable[[], bool]
+    peer_failure: Callable[[str], PeerFailure]
 
     def allreduce(
         self,
@@ -188,9 +194,26 @@ class Collectives:
             return self.world.bcast(obj, root=root)
         except mpi().Exception as exc:
             raise self._fail("broadcast", exc) from None
+        except UNPICKLING_ERRORS as exc:
+            raise self._garbled("broadcast", exc) from None
 
     def allgather_object(self, obj: object) -> list[object]:
+        """Every current-world rank's picklable ``obj``, in rank order."""
         try:
             return self.world.allgather(obj)
         except mpi().Exception as exc:
             raise self._fail("allgather", exc) from None
+        except UNPICKLING_ERRORS as exc:
+            raise self._garbled("allgather", exc) from None
+
+    def _garbled(self, where: str, exc: BaseException) -> BaseException:
+        """An object collective whose bytes could not be unpickled: a peer's death, if one is known.
+
+        mpi4py gathers the pickles' sizes before their bytes; a peer SIGKILLed between the two
+        can leave a size that was never sent, and the receive buffer's allocation then fails
+        (MemoryError, seen in the host campaign when a host's ranks died during a corruption
+        check) or the bytes do not unpickle, without any MPI error. With a failure confirmed
+        that is the membership change it is; otherwise it is a real error and stays one."""
+        if self._failure_confirmed():
+            return self.peer_failure(where)
+        return exc
