@@ -142,3 +142,14 @@ def test_the_link_checker_sees_links_and_anchors() -> None:
     assert _slug("Compared with torchft (peers.py)") == "compared-with-torchft-peerspy"
     assert "errors-and-exit-status" in _anchors(DOCS / "failure-model.md")
     assert len(LINK.findall(README.read_text())) >= 10, "README.md should link to its docs pages"
+
+
+def test_the_layout_page_names_every_module_of_the_package() -> None:
+    """docs/layout.md is the package map a newcomer reads first: a module missing there is a module nobody finds."""
+    text = (ROOT / "docs" / "layout.md").read_text()
+    package = ROOT / "lightning_recover"
+    missing = sorted(
+        str(p.relative_to(ROOT)) for p in package.rglob("*.py")
+        if p.name != "__init__.py" and p.name != "__main__.py" and p.name not in text
+    )
+    assert not missing, f"docs/layout.md does not name {missing}: add a line for each under its layer's folder"
