@@ -37,6 +37,15 @@ PRIVATE: dict[str, tuple[str, str]] = {
         "logging_as_training_step", "values logged by every microbatch file under training_step, as with accumulate_grad_batches"),
     "CSVLogger._experiment": (
         "loggers.py", "the CSV writer has no setter; a new leader's writer must continue the file"),
+    "Precision._after_closure": (
+        "after_closure; strategies/steps.py", "on_before_optimizer_step and gradient clipping must see the reduced gradient, "
+        "as with stock strategies; this is the one hook that runs both (no public equivalent)"),
+    "CSVLogger._version": (
+        "set_logger_version; strategies/step_logging.py", "loggers keep their resolved version there with no setter; every "
+        "rank (and a replacement) must write into the leader's run directory"),
+    "LightningOptimizer._optimizer": (
+        "unwrapped_optimizer; strategies/recover_hsdp.py", "the optimizer Lightning wraps, for DCP's optimizer state "
+        "(LightningOptimizer.optimizer is read-only and absent before 2.1)"),
     "ExperimentWriter._check_log_dir_exists": (
         "loggers.py (override)", "it deletes an existing metrics.csv with no option to keep it; a new leader must keep it"),
 }
@@ -77,3 +86,26 @@ def logging_as_training_step(module: Any, first: bool) -> Iterator[None]:
         yield
     finally:
         module._current_fx_name = previous
+
+
+def after_closure(precision_plugin: Any, model: Any, optimizer: Any) -> None:
+    """Lightning's after-closure step: ``on_before_optimizer_step`` and gradient clipping, on the reduced gradient."""
+    precision_plugin._after_closure(model, optimizer)
+
+
+def keeps_version(logger: Any) -> bool:
+    """Whether ``logger`` resolves a run version of its own (Lightning's loggers do), which ranks must agree on."""
+    return hasattr(logger, "_version")
+
+
+def set_logger_version(logger: Any, version: Any) -> bool:
+    """Give ``logger`` the run version every rank agreed on; False for a logger that keeps none."""
+    if not keeps_version(logger):
+        return False
+    logger._version = version
+    return True
+
+
+def unwrapped_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside a ``LightningOptimizer`` (any other optimizer as it is)."""
+    return getattr(optimizer, "_optimizer", optimizer)

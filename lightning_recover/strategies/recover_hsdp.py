@@ -414,7 +414,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
         # LightningOptimizer wraps the torch optimizer in `_optimizer` (no public accessor).
-        return checkpoint_io.optimizer_state(self.model, getattr(optimizer, "_optimizer", optimizer))
+        return checkpoint_io.optimizer_state(self.model, _lightning.unwrapped_optimizer(optimizer))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

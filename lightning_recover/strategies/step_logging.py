@@ -107,10 +107,9 @@ class StepLogging:
 
         ``rank()`` is read at each use: a leader's death inside a broadcast moves rank zero."""
         for lg in trainer.loggers:
-            # Lightning's loggers keep the resolved version in `_version` and offer no setter.
-            if hasattr(lg, "_version"):
+            if _lightning.keeps_version(lg):
                 version = lg.version if rank() == 0 else None
-                lg._version = broadcast(version, 0)
+                _lightning.set_logger_version(lg, broadcast(version, 0))
         if live_replicas() < 2 or not trainer.loggers:
             return
         if self.leader_logs is None:
@@ -129,8 +128,8 @@ class StepLogging:
         """A replacement takes the versions the survivors agreed on at their start, so this rank's
         callbacks (ModelCheckpoint's directory) resolve the same paths."""
         for lg, version in zip(trainer.loggers, versions):
-            if hasattr(lg, "_version") and version is not None:
-                lg._version = version
+            if version is not None:
+                _lightning.set_logger_version(lg, version)
 
     def on_membership(self, world_size: int, is_leader: bool) -> None:
         """The world changed (a repair or a join): the summed epoch totals and the leadership follow."""

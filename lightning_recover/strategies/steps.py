@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_recover import _lightning
 from lightning_recover.feed.data import MicrobatchSource
 from lightning_recover.feed.loading import MicrobatchFeed
 from lightning_recover.recovery import admission
@@ -187,10 +188,8 @@ class TrainingSteps:
             job.engine.run_planned(runner)
             job.engine.reduce_until_committed(runner)
             self._logging.apply(st.logged_totals, strategy.world_size)
-            # on_before_optimizer_step and clipping must see the reduced gradient, as with stock
-            # strategies; the precision plugin's `_after_closure` is the one place that runs both
-            # (no public equivalent in Lightning 2.6).
-            strategy.precision_plugin._after_closure(model, optimizer)
+            # on_before_optimizer_step and clipping must see the reduced gradient, as with stock strategies.
+            _lightning.after_closure(strategy.precision_plugin, model, optimizer)
             job.probes.fault_point("optimizer", step=st.step)
             job.probes.tick()
             out = optimizer.step(**kwargs)

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.plugins.precision import Precision
 
 from lightning_recover import _lightning
 
@@ -20,6 +23,8 @@ def _instances(tmp: Path) -> dict[str, object]:
         "LightningModule": L.LightningModule(),
         "CSVLogger": CSVLogger(str(tmp)),
         "ExperimentWriter": ExperimentWriter(str(tmp / "w")),
+        "Precision": Precision(),
+        "LightningOptimizer": LightningOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)),
     }
 
 
@@ -46,3 +51,11 @@ def test_the_wrappers_reach_what_they_name(tmp_path: Path) -> None:
     with _lightning.logging_as_training_step(module, first=True):
         assert module._current_fx_name == "training_step"
     assert module._current_fx_name == "on_train_start"
+
+
+def test_the_logger_and_optimizer_wrappers(tmp_path: Path) -> None:
+    logger = CSVLogger(str(tmp_path), version=None)
+    assert _lightning.keeps_version(logger) and _lightning.set_logger_version(logger, 7) and logger.version == 7
+    assert not _lightning.set_logger_version(object(), 7)
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert _lightning.unwrapped_optimizer(LightningOptimizer(sgd)) is sgd and _lightning.unwrapped_optimizer(sgd) is sgd
