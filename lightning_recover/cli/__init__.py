@@ -8,7 +8,10 @@
   job_status   the ranks' markers read back: the job's exit status and the launcher's last line
   hosts        this machine's names, the Slurm allocation's hosts, the reachability probe
   supervision  supervised relaunch (pure): why a run ended, where it goes next
+  joiner       a replacement's or warm standby's entry point (spawned by the survivors): merge,
+               admission, then the user's script
 
-Nothing in a rank's training path imports this layer; the ranks talk to it through
+Nothing in a rank's training path imports this layer (a replacement *starts* in joiner, which
+then runs the user's script); the ranks talk to the launcher through
 :mod:`lightning_recover.runtime.markers`.
 """

@@ -209,7 +209,7 @@ class FaultTolerantComm(Collectives):
         survivor in the first blocking collective below forever. A survivor whose merge
         never completed passes ``merged=None``: it says "not arrived", so every survivor
         gives up. A joiner passes no deadline (its own timer bounds it, see
-        :mod:`lightning_recover.membership.joiner`). On success the world epoch advances past every
+        :mod:`lightning_recover.cli.joiner`). On success the world epoch advances past every
         member's and ``alive_replicas`` counts the joiners' replicas.
         """
         MPI = mpi()

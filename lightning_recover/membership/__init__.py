@@ -6,5 +6,6 @@
   transfer    the state transfer: the donor replica's checkpoint, shard by shard, to the replacements
   seat        a replacement's seat: the logical ranks it takes over, the job settings it carries
   milestones  where a replacement's start-up time goes, from the loss to its first step
-  joiner      the replacement's entry point: merge, admission, then the user's script
+  admission_timer  how long a replacement may wait to become a member; its entry point is
+              lightning_recover.cli.joiner (it runs the user's script, above the strategy)
 """

@@ -20,7 +20,7 @@ The survivors send only to replacements whose READY (on a link: whose hello) rea
 a first send to a process that died unreported waits forever on Open MPI 5.0.11 (see "What
 a failing replacement costs" in :mod:`lightning_recover.membership.recruiter`). A
 replacement whose survivors are gone gets an MPI error, or no answer at all, and its own
-timer ends it (:mod:`lightning_recover.membership.joiner`); one that is not admitted
+timer ends it (:mod:`lightning_recover.cli.joiner`); one that is not admitted
 leaves quietly (:func:`give_up`).
 """
 

@@ -3,7 +3,7 @@
 A job that lost replicas spawns replacements (``recover.rejoin=true``), up to the replica
 count it started with. A replacement takes the *logical ranks* of a lost replica (the
 layout never changes) and runs the same program: the interpreter and the original argv,
-behind ``python -m lightning_recover.membership.joiner`` (:mod:`lightning_recover.membership.joiner`), which
+behind ``python -m lightning_recover.cli.joiner`` (:mod:`lightning_recover.cli.joiner`), which
 initializes MPI and merges with the survivors *before* the script imports torch.
 
 One join attempt, as every survivor runs it (the leader decides at each step boundary and
@@ -50,7 +50,7 @@ waits forever inside ``MPI_Isend`` (the address lookup that opens the connection
   the blocking part of :meth:`~FaultTolerantComm.grow` once every member has met them.
 
 On top of that the joiner turns a script's exit or uncaught exception before admission into
-SIGKILL (:mod:`lightning_recover.membership.joiner`), which Open MPI does report, so such an attempt is
+SIGKILL (:mod:`lightning_recover.cli.joiner`), which Open MPI does report, so such an attempt is
 usually dropped at the next step boundary rather than after ``rejoin_timeout_s``.
 
 A repair of the survivors' world while an attempt is open drops it the same way (a
@@ -286,7 +286,7 @@ class Recruiter(WarmStandbys):
         att = JoinAttempt(self.started_attempts, replicas, seat_, survivors=self.comm.world.Get_size())
         dup = self.comm.duplicate_world()
         info = self._spawn_info()
-        args = ["-m", "lightning_recover.membership.joiner", seat_.to_json(), *self.argv]
+        args = ["-m", "lightning_recover.cli.joiner", seat_.to_json(), *self.argv]
 
         self._merge_in_background(
             att, lambda: dup.Spawn(sys.executable, args=args, maxprocs=len(ranks), info=info, root=0), "spawn failed", "spawn"
@@ -422,7 +422,7 @@ class Recruiter(WarmStandbys):
         a non-zero status in one attempt: only the first death reached the survivors) that
         lookup waits forever, inside ``Isend``, on the survivor's main thread. A replacement
         that said READY is connected already (its message came in); one that did not is dead,
-        wedged or still starting, and leaves by its own timer (:mod:`lightning_recover.membership.joiner`)."""
+        wedged or still starting, and leaves by its own timer (:mod:`lightning_recover.cli.joiner`)."""
         MPI = _mpi()
         if self.comm.is_leader and att.merged is not None:
             abort = np.array([ABORT], dtype=np.int64)

@@ -89,5 +89,5 @@ def job_environ() -> dict[str, str]:
     ``examples/pretrain.py`` fixes ``LR_RUN_STAMP``, its run directory, once rank 0's start
     time is known): a replacement starts later and from mpiexec's environment, and would
     otherwise resolve them differently (another run directory, another checkpoint dir).
-    The joiner sets them before the script runs (:mod:`lightning_recover.membership.joiner`)."""
+    The joiner sets them before the script runs (:mod:`lightning_recover.cli.joiner`)."""
     return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}

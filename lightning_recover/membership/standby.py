@@ -8,7 +8,7 @@ spawned ahead of any loss, each one replica's processes::
 
     SPAWN    the leader alone Spawns S processes from MPI_COMM_SELF (a background thread;
              the next one only once the others are warm) and Merges them into a *link*
-             (leader rank 0). They run ``python -m lightning_recover.membership.joiner --standby``:
+             (leader rank 0). They run ``python -m lightning_recover.cli.joiner --standby``:
              say hello (pid) on the link, import the strategy and the installed packages the
              script imports at its top level (nothing of the user's own code), say WARM, and
              sleep, looking at the link every
@@ -202,7 +202,7 @@ class WarmStandbys:
         # while the job sets up races the job's first loss instead, at full priority.
         spec = {"number": sb.number, "leader_pid": os.getpid(), "leader_start": start, "leader_host": host_checksum(),
                 "spawned_at": sb.spawned_at, "yield_cpu": mpi_wait.polite() and self._training, "timeout_s": self.timeout_s}
-        args = ["-m", "lightning_recover.membership.joiner", "--standby", json.dumps(spec), *self.argv]
+        args = ["-m", "lightning_recover.cli.joiner", "--standby", json.dumps(spec), *self.argv]
         info = self._spawn_info()
         # Spawn is collective over its communicator: standbys spawned at once from their own threads
         # must not share one (two collectives in flight on one communicator are erroneous in MPI).

@@ -66,7 +66,7 @@ def join_world(
     The state is the donor replica's checkpoint (``mesh``/``device``: where its sharded
     tensors land); ``restore`` hands it to the framework, which loads it right after setup
     as it loads a checkpoint file; the policy and planner are taken over as on a resume."""
-    from lightning_recover.membership import joiner
+    from lightning_recover.membership import admission_timer
 
     assert job.comm is not None and job.engine is not None and job.layout is not None and job.probes is not None
     probes = job.probes
@@ -92,9 +92,9 @@ def join_world(
             handshake.give_up(joining, why)
         # A standby's replacement whose attempt the survivors' own repair dropped asks again.
         joining.merged = None
-        joiner.restart_timer()
+        admission_timer.restart_timer()
     milestones.mark("go")
-    joiner.admitted()
+    admission_timer.admitted()
     lifecycle.start_rank(job.comm.rank, job.layout.world_size, end_of_job=job.host.end_of_job)
     job.host.on_ranks()
     replicas = sorted({job.layout.replica_of(r) for r in joining.seat.ranks})

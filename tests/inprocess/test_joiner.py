@@ -1,4 +1,4 @@
-"""What a replacement's script finds in its environment (lightning_recover.membership.joiner.job_environment, seat.job_environ)."""
+"""What a replacement's script finds in its environment (lightning_recover.cli.joiner.job_environment, seat.job_environ)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recover.membership import joiner, milestones
+from lightning_recover.cli import joiner
+from lightning_recover.membership import milestones
 from lightning_recover.membership.seat import Seat, job_environ
 
 

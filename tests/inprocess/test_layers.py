@@ -44,12 +44,7 @@ PURE_LAYERS = {"workload", "audit"}
 
 #: Known upward imports, each with the reason it is still there. The test fails when one of
 #: them is gone too, so that this list only ever shrinks.
-ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    (f"{PACKAGE}.membership.joiner", f"{PACKAGE}.strategies"): (
-        "a warm standby imports the strategy before it sleeps (joiner._warm_up); the fix is to move the "
-        "joiner's entry point (main, _warm_up) above strategies, once the re-join work on membership/ has landed"
-    ),
-}
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""Entry point of a replacement rank: ``python -m lightning_recover.membership.joiner SEAT SCRIPT [ARGS...]``,
-or of a warm standby: ``python -m lightning_recover.membership.joiner --standby SPEC SCRIPT [ARGS...]``.
+"""Entry point of a replacement rank (the launch side: it runs the user's script, so it sits above
+the strategy it pre-imports): ``python -m lightning_recover.cli.joiner SEAT SCRIPT [ARGS...]``,
+or of a warm standby: ``python -m lightning_recover.cli.joiner --standby SPEC SCRIPT [ARGS...]``.
 
 The survivors spawn this (:mod:`lightning_recover.membership.recruiter`); nobody runs it by hand. It
 initializes MPI and merges with the survivors first -- before the script imports torch and
@@ -68,74 +69,19 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from lightning_recover.membership import handshake, milestones
+from lightning_recover.membership.admission_timer import disarm, is_admitted, leave_after
 from lightning_recover.membership.seat import Joining, Seat, _set_joining
 from lightning_recover.runtime import lifecycle
 
 
 #: Seconds past the timeout after which the kernel ends a replacement the timer thread could not.
-_BACKSTOP_S = 15
-
-
-_timer: threading.Timer | None = None
-_timer_args: tuple[float, str] | None = None
-
-
-def _leave_after(seconds: float, rank_hint: str) -> threading.Timer:
-    """Leave if not admitted within ``seconds``: a timer thread says why and exits; SIGALRM
-    (its default action ends the process) backs it up, since a process stuck in MPI_Init --
-    its survivors gone -- never gives the timer thread the interpreter. A second call
-    replaces the first timer."""
-    global _timer, _timer_args
-    if _timer is not None:
-        _timer.cancel()
-    _timer_args = (seconds, rank_hint)
-
-    def expire() -> None:
-        if not _admitted.is_set():
-            print(f"[lightning-recover] replacement {rank_hint}: not admitted after {seconds:g} s; leaving", file=sys.stderr, flush=True)
-            os._exit(0)
-
-    timer = _timer = threading.Timer(seconds, expire)
-    timer.daemon = True
-    timer.start()
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(max(1, math.ceil(seconds)) + _BACKSTOP_S)
-    return timer
-
-
-def _disarm() -> None:
-    """Cancel the timer and its SIGALRM backstop (a standby that reached its indefinite wait)."""
-    global _timer, _timer_args
-    if _timer is not None:
-        _timer.cancel()
-    _timer, _timer_args = None, None
-    signal.alarm(0)
-
-
-def restart_timer() -> None:
-    """A standby's replacement asks to be merged again (its attempt was dropped by the survivors'
-    repair): it gets the full ``rejoin_timeout_s`` again."""
-    if _timer_args is not None and not _admitted.is_set():
-        _leave_after(*_timer_args)
-
-
-#: Set by the strategy once this process is a member of the world (then the timer is moot).
-_admitted = threading.Event()
-
-
-def admitted() -> None:
-    """The strategy's signal that this replacement joined the world."""
-    _admitted.set()
-    signal.alarm(0)
-
-
 def job_environment(seat: Seat, child_rank: int) -> dict[str, str]:
     """What the script of the ``child_rank``-th process of ``seat``'s spawn must find in its environment:
     the survivors' job settings (:func:`lightning_recover.membership.seat.job_environ`) and the
     launcher variables of the job's world, this process's being the logical rank it takes over."""
     world = seat.context.get("world_size")
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise SystemExit(f"lightning_recover.membership.joiner: the seat has no job world size (context world_size={world!r}); "
+        raise SystemExit(f"lightning_recover.cli.joiner: the seat has no job world size (context world_size={world!r}); "
                          "the survivors run another version of lightning-recover: install one version on every node")
     environ = {str(k): str(v) for k, v in dict(seat.context.get("environ", {})).items()}
     environ.update({"OMPI_COMM_WORLD_SIZE": str(world), "OMPI_COMM_WORLD_RANK": str(seat.ranks[child_rank])})
@@ -264,11 +210,11 @@ def standby(spec_json: str, script_argv: list[str]) -> None:
         spec = dict(json.loads(spec_json))
         milestones._marks["spawned"] = float(spec["spawned_at"])
     except (ValueError, KeyError, TypeError):
-        raise SystemExit(f"lightning_recover.membership.joiner --standby: {spec_json!r} is not the leader's JSON spec") from None
+        raise SystemExit(f"lightning_recover.cli.joiner --standby: {spec_json!r} is not the leader's JSON spec") from None
     # Bounded until the leader has heard that it is warm: a standby whose leader ended meanwhile
     # (training finished while it started) must not wait in MPI's start-up or a send forever.
-    _leave_after(float(spec.get("timeout_s", 120.0)), f"standby {spec.get('number')}")
-    link = _merge_with_parent("lightning_recover.membership.joiner --standby runs only as a spawned standby")
+    leave_after(float(spec.get("timeout_s", 120.0)), f"standby {spec.get('number')}")
+    link = _merge_with_parent("lightning_recover.cli.joiner --standby runs only as a spawned standby")
     alive = _leader_alive(spec)
     handshake.leader_alive = alive
     restore = yield_while_warming() if spec.get("yield_cpu") else (lambda: None)
@@ -276,14 +222,14 @@ def standby(spec_json: str, script_argv: list[str]) -> None:
     milestones.mark("warm")
     if not handshake.tell_leader(link, handshake.TAG_WARM):
         os._exit(0)  # the leader is gone
-    _disarm()  # from here on it waits as long as the job may run; its leader's end ends it
+    disarm()  # from here on it waits as long as the job may run; its leader's end ends it
     msg = handshake.wait_on_link(link, alive)
     if msg is None or "seat" not in msg:
         os._exit(0)  # dismissed (training ended) or the leader is gone: nothing to leave behind
     restore()  # from here on it is a training rank's start-up: its full share of the cores
     milestones.mark("seated")
     seat = Seat.from_json(str(msg["seat"]))
-    _leave_after(float(seat.context.get("timeout_s", 120.0)), f"standby {spec.get('number')}")
+    leave_after(float(seat.context.get("timeout_s", 120.0)), f"standby {spec.get('number')}")
     _run(seat, None, script_argv, link=link)
 
 
@@ -304,7 +250,7 @@ def _run(seat: Seat, merged: object, script_argv: list[str], link: object = None
     try:
         runpy.run_path(script_argv[0], run_name="__main__")
     except SystemExit as exc:
-        if _admitted.is_set():
+        if is_admitted():
             raise
         code = exc.code if exc.code is not None else 0
         if isinstance(code, str):  # sys.exit("message"): Python would print it and exit with status 1
@@ -312,11 +258,11 @@ def _run(seat: Seat, merged: object, script_argv: list[str], link: object = None
             code = 1
         _left_before_admission(joining.rank, f"the script exited (status {code})")
     except BaseException:
-        if _admitted.is_set():
+        if is_admitted():
             raise
         traceback.print_exc(file=sys.__stderr__)
         _left_before_admission(joining.rank, "the script raised")
-    if not _admitted.is_set():
+    if not is_admitted():
         _left_before_admission(joining.rank, "the script ended")
 
 
@@ -325,12 +271,12 @@ def main(argv: list[str]) -> None:
         standby(argv[1], argv[2:])
         return
     if len(argv) < 2:
-        raise SystemExit("usage: python -m lightning_recover.membership.joiner [--standby SPEC | SEAT] SCRIPT [ARGS...] (spawned by lightning-recover)")
+        raise SystemExit("usage: python -m lightning_recover.cli.joiner [--standby SPEC | SEAT] SCRIPT [ARGS...] (spawned by lightning-recover)")
     milestones.mark("python")
     seat = Seat.from_json(argv[0])
     timeout = float(seat.context.get("timeout_s", 120.0))
-    _leave_after(timeout, f"of attempt {seat.attempt}")
-    _run(seat, _merge_with_parent("lightning_recover.membership.joiner runs only as a spawned replacement"), argv[1:])
+    leave_after(timeout, f"of attempt {seat.attempt}")
+    _run(seat, _merge_with_parent("lightning_recover.cli.joiner runs only as a spawned replacement"), argv[1:])
 
 
 def _merge_with_parent(refusal: str) -> Any:
