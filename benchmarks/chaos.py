@@ -53,7 +53,9 @@ relaunch runs without faults. Each run's outcome is predicted with the no-split-
   the attempt left it, too), and the last world's replicas bitwise identical;
 * **split brain** (counted apart): two ledger lines for one step, a rank outside the last
   world that finished (a result file or an ``ok`` marker), or a rank of a relaunched
-  attempt that finished -- two sides trained;
+  attempt that finished while a later attempt committed steps -- two sides trained (a
+  relaunch that found every step committed trained nothing: counted apart as "relaunches
+  that found the job finished");
 * when the rule lets the head's side go on: it goes on in place, the last world is the
   predicted one (a flap may also heal before anybody noticed: then nobody is lost), and
   every rank of a cut-off host left with an ``exited`` marker starting "no quorum"; or, the
@@ -466,8 +468,18 @@ def execute_on_hosts(
             # A host fault must end a rank by death, the gate or the quorum rule, never by an exception.
             out.violations.append(f"attempt {a.index + 1}: rank(s) raised: " + "; ".join(
                 f"{r}: {t.splitlines()[-1] if t else '?'}" for r, t in sorted(a.markers["raised"].items())))
-        if a is not final and (a.results or a.markers["ok"]):
-            out.split_brain.append(f"attempt {a.index + 1} was relaunched, yet rank(s) {sorted(set(a.results) | set(a.markers['ok']))} of it finished")
+    for a in attempts[:-1]:
+        finished = sorted(set(a.results) | set(a.markers["ok"]))
+        # An attempt whose ranks finished was relaunched anyway: a split brain if a later attempt
+        # trained again (two worlds committing steps). A relaunch that found every step committed
+        # trained nothing -- the race of mpiexec's abort with the survivors' last step, which the
+        # supervisor narrows (launcher.settled_markers) but cannot close; counted apart.
+        later = [t for lg in ledgers[a.index + 1:] for t in lg]
+        if finished and later:
+            out.split_brain.append(f"attempt {a.index + 1} was relaunched, yet rank(s) {finished} of it finished and "
+                                   f"a later attempt committed step(s) {sorted({t['step'] for t in later})}")
+        elif finished:
+            out.idle_relaunches += 1
     ledger = ledgers[-1]
     last = set(ledger[-1]["replicas"]) if ledger else set()
 

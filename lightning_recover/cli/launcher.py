@@ -199,6 +199,27 @@ def _started_at(status_dir: str) -> float | None:
     return max(times) if times else None
 
 
+#: How long the supervisor waits for a last world that already agreed on the end to finish leaving.
+FINISHING_GRACE_S = 10.0
+
+
+def settled_markers(status_dir: str, status: int, grace_s: float = FINISHING_GRACE_S) -> JobMarkers:
+    """The attempt's markers, once a last world that was finishing has finished.
+
+    mpiexec can end the job (a host lost with its daemon aborts it) while the survivors are
+    past their last step: their leader has written ``done`` but not every member its ``ok``
+    yet. Read at that moment the job looks lost and would be relaunched, only to find every
+    step committed -- a relaunch for nothing beside ranks still leaving (seen in the host
+    campaign). So a failed attempt whose ``done`` marker is there gets up to ``grace_s`` for
+    the members' ``ok`` markers; without a ``done`` marker nothing is waited for."""
+    markers = JobMarkers.read(status_dir)
+    deadline = time.monotonic() + grace_s
+    while status != 0 and markers.done is not None and not markers.finished and time.monotonic() < deadline:
+        time.sleep(0.1)
+        markers = JobMarkers.read(status_dir)
+    return markers
+
+
 def supervise(
     nprocs: int,
     command: Sequence[str],
@@ -297,7 +318,7 @@ def supervise(
                 name = signal.Signals(interrupted[0]).name
                 say(f"[lightning-recover] supervise: the job was ended by {name}; not relaunching")
                 return 128 + interrupted[0]
-            markers = JobMarkers.read(status_dir)
+            markers = settled_markers(status_dir, status)
             tail = b"\n".join(t.tail for t in tees).decode("utf-8", "replace")
             outcome = Outcome(
                 plan.nprocs, status, tail, started=frozenset(markers.started), ok=frozenset(markers.ok),

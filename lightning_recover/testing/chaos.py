@@ -317,6 +317,8 @@ class Outcome:
     cut_off_left: int = 0
     #: Runs on fake hosts (supervised): how often the supervisor relaunched the job, and what each relaunch cost.
     relaunches: int = 0
+    #: Relaunches that found every step committed: an attempt's ranks finished as mpiexec's abort came.
+    idle_relaunches: int = 0
     relaunch_costs: list[str] = field(default_factory=list)
     #: The in-place repair was cut short by its bound (an agreement Open MPI never returned from).
     bounded: bool = False
@@ -387,6 +389,7 @@ def summary(outcomes: list[Outcome]) -> str:
             ("relaunched by the supervisor", f"{sum(1 for o in outcomes if o.relaunches)}"
              + "".join(f"; {cause}: {n}" for cause, n in sorted(Counter(o.relaunch_cause for o in outcomes if o.relaunches).items()))),
             ("cut-off ranks that left (no quorum)", sum(o.cut_off_left for o in outcomes)),
+            ("relaunches that found the job finished", sum(o.idle_relaunches for o in outcomes)),
         ]
     if detects:
         rows.append(("silent-fault detection", f"n={len(detects)} median {detects[len(detects) // 2]:.2f}s max {detects[-1]:.2f}s"))

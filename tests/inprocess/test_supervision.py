@@ -342,3 +342,32 @@ def test_supervise_usage_errors_exit_2_naming_the_fix(args: list[str], needle: s
     assert cli.main(["launch", "-n", n, *args, "--", "true"]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.startswith("lightning-recover launch: "), err
+
+
+def test_a_failed_attempt_whose_last_world_was_finishing_is_read_once_it_finished(tmp_path: Path) -> None:
+    """mpiexec ended the job (a lost host's daemon) while the survivors were leaving after their last
+    step: the supervisor waits for their ok markers instead of relaunching a finished job."""
+    import threading
+
+    from lightning_recover.cli.launcher import settled_markers
+
+    (tmp_path / "done.1").write_text("1,2")
+    (tmp_path / "ok.1").write_text("")
+    later = threading.Timer(0.3, lambda: (tmp_path / "ok.2").write_text(""))
+    later.start()
+    markers = settled_markers(str(tmp_path), status=1, grace_s=30)
+    later.join()
+    assert markers.finished and markers.ok == {1, 2}
+
+
+def test_without_a_done_marker_or_after_success_nothing_is_waited_for(tmp_path: Path) -> None:
+    import time
+
+    from lightning_recover.cli.launcher import settled_markers
+
+    (tmp_path / "started.1").write_text("")
+    start = time.monotonic()
+    assert not settled_markers(str(tmp_path), status=1, grace_s=30).finished  # no done: a killed world
+    (tmp_path / "done.1").write_text("1,2")
+    assert not settled_markers(str(tmp_path), status=0, grace_s=30).finished  # mpiexec's success is its own verdict
+    assert time.monotonic() - start < 10  # neither waited out its 30 s grace
