@@ -214,7 +214,7 @@ class RecoverConfig:
             or "nccl" (an NCCL group per world epoch; CUDA only). ULFM MPI stays the
             control plane (failure detection, agreement, membership) in every case.
         replica_plane: what carries FSDP2's all-gathers and reduce-scatters *inside* a
-            replica (:mod:`~.strategies.replica_plane`): "mpi" (Open MPI's shared memory
+            replica (:mod:`~.comm.replica_plane`): "mpi" (Open MPI's shared memory
             and network transports, CPU only), "torch" (torch's replica-local group: gloo
             on CPU, NCCL on CUDA) or "auto" (default: "mpi" on CPU with the MPI data
             plane, else "torch").

@@ -2,7 +2,7 @@
 
 ULFM must be switched on when the job starts; :func:`build_command` builds the one
 ``mpiexec`` command line that does so on a workstation, a single node or a list of hosts
-(the README documents the Slurm equivalent), and :func:`launch_env` the ranks' environment
+(docs/launching.md documents the Slurm equivalent), and :func:`launch_env` the ranks' environment
 (no ``MPI_Finalize``, which can block forever under ULFM). The launcher
 (:mod:`lightning_recover.cli.launcher`) prints the command before running it so users can
 copy it into their own scripts; benchmarks and test harnesses build theirs here too.

@@ -110,7 +110,7 @@ class JobHost:
     on_ranks: Callable[[], None]
     #: A repair changed the world (before the recruiter hears of it): logging follows.
     on_membership: Callable[[], None]
-    #: ``recover.replica_plane`` settled for this process (``strategies.replica_plane.resolve_replica_plane``).
+    #: ``recover.replica_plane`` settled for this process (``comm.replica_plane.resolve_replica_plane``).
     resolve_replica_plane: Callable[[str, str, str], str]
     #: Builds torch's replica-local default group (``strategies.replica_group.init_replica_group``).
     init_replica_group: Callable[..., None]

@@ -7,7 +7,7 @@ died during the evaluation: the world is repaired (the engine accounts it like a
 repair), every sample the lost replica answered for is re-split over the survivors, and
 the loop goes on with those batches, so metrics cover every sample exactly once.
 
-Limit, documented in the README: Lightning fetches one batch ahead, so the agreement runs
+Limit, documented in docs/lightning.md: Lightning fetches one batch ahead, so the agreement runs
 when a rank has *fetched* its last batch; a replica lost while computing that last batch,
 or in the epoch-end metric sync, takes its share of the metrics with it (the strategy
 prints a warning naming the replica then).
