@@ -38,9 +38,9 @@ from lightning_recover.membership import handshake, milestones
 from lightning_recover.membership.recruiter import JoinAttempt
 from lightning_recover.membership.seat import Joining
 from lightning_recover.membership.transfer import donor_and_recipients, recv_state, send_state
-from lightning_recover.runtime import lifecycle
 from lightning_recover.recovery.job import RecoveryJob
 from lightning_recover.recovery.state import Join
+from lightning_recover.runtime import lifecycle
 
 __all__ = ["admit", "first_step", "join_world", "step_boundary", "sync_initial_state"]
 

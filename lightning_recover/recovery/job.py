@@ -64,22 +64,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_recover.audit.ledger_writer import LeaderLedger
+from lightning_recover.comm.communicator import FaultTolerantComm
+from lightning_recover.comm.data_plane import check_data_plane
+from lightning_recover.comm.interface import RepairResult
+from lightning_recover.comm.process_group import ProcessGroupULFM, lockstep_refusal, new_replica_group
+from lightning_recover.comm.topology import RankLayout
+from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.membership import milestones
 from lightning_recover.membership.recruiter import Recruiter
 from lightning_recover.membership.seat import Joining, job_environ
-from lightning_recover.runtime import lifecycle
-from lightning_recover.comm.communicator import FaultTolerantComm
-from lightning_recover.config import ConfigurationError, RecoverConfig
-from lightning_recover.comm.data_plane import check_data_plane
-from lightning_recover.audit.ledger_writer import LeaderLedger
-from lightning_recover.workload.factory import make_policy
-from lightning_recover.workload.policy import WorkloadPolicy
-from lightning_recover.comm.process_group import ProcessGroupULFM, lockstep_refusal, new_replica_group
 from lightning_recover.recovery.engine import Probes, StepEngine
 from lightning_recover.recovery.hooks import Dispatch
-from lightning_recover.comm.interface import RepairResult
-from lightning_recover.comm.topology import RankLayout
+from lightning_recover.runtime import lifecycle
 from lightning_recover.runtime.watchdog import HangWatchdog, default_hang_timeout
+from lightning_recover.workload.factory import make_policy
+from lightning_recover.workload.policy import WorkloadPolicy
 
 __all__ = ["JobHost", "RecoveryJob"]
 

@@ -44,13 +44,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_recover import _lightning
-from lightning_recover.membership.seat import seat as spawned_seat
-from lightning_recover.runtime import lifecycle
+from lightning_recover.comm.process_group import ProcessGroupULFM
+from lightning_recover.comm.replica_plane import use_replica_plane
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.feed.data import StepTicket, TicketLoader
+from lightning_recover.membership.seat import seat as spawned_seat
 from lightning_recover.recovery import admission
-from lightning_recover.comm.process_group import ProcessGroupULFM
 from lightning_recover.recovery.job import RecoveryJob
+from lightning_recover.runtime import lifecycle
 from lightning_recover.runtime.slurm import refuse_direct_launch
 from lightning_recover.strategies import checkpoint_io, metrics
 from lightning_recover.strategies.checkpoints import Checkpoints
@@ -58,7 +59,6 @@ from lightning_recover.strategies.environment import ReplicaEnvironment
 from lightning_recover.strategies.evaluation_loader import EvaluationLoader, EvaluationSteps, splittable
 from lightning_recover.strategies.probes import install_progress_hooks
 from lightning_recover.strategies.replica_group import replica_guard
-from lightning_recover.comm.replica_plane import use_replica_plane
 from lightning_recover.strategies.sharding import is_sharded, local, on_gradient_ready, replica_mesh, shard_model
 from lightning_recover.strategies.step_logging import StepLogging
 from lightning_recover.strategies.steps import TrainingSteps

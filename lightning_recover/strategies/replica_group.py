@@ -18,9 +18,9 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_recover.comm import netaddr
-from lightning_recover.runtime import lifecycle
 from lightning_recover.comm.communicator import FaultTolerantComm
 from lightning_recover.comm.replica_plane import ReplicaPlaneError
+from lightning_recover.runtime import lifecycle
 
 
 def init_replica_group(

@@ -27,12 +27,12 @@ from lightning_recover.callbacks import (
     fallback_checkpoint,
 )
 from lightning_recover.callbacks.checkpoint import is_fallback
+from lightning_recover.comm.replica_plane import resolve_replica_plane
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.recovery.hooks import dispatcher
 from lightning_recover.recovery.job import JobHost
 from lightning_recover.strategies.probes import StrategyProbes
 from lightning_recover.strategies.replica_group import init_replica_group
-from lightning_recover.comm.replica_plane import resolve_replica_plane
 
 
 

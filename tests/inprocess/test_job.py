@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_recover.config import ConfigurationError, RecoverConfig
-from lightning_recover.workload.factory import make_policy
-from lightning_recover.recovery.engine import StepEngine
-from lightning_recover.testing.fake import FakeWorld
-from lightning_recover.recovery.job import RecoveryJob
 from lightning_recover.comm.topology import RankLayout
+from lightning_recover.config import ConfigurationError, RecoverConfig
+from lightning_recover.recovery.engine import StepEngine
+from lightning_recover.recovery.job import RecoveryJob
+from lightning_recover.testing.fake import FakeWorld
+from lightning_recover.workload.factory import make_policy
 
 
 def _running_job(policy: str, replicas: int) -> RecoveryJob:
