@@ -245,6 +245,10 @@ class RecoverConfig:
             lost replica's ranks at once. Each costs a process per shard (its memory, no
             core while it waits) for the whole run. 0 = replacements are spawned cold
             after a loss.
+        rejoin_standbys_wait_s: with ``rejoin_standbys``, the first step waits until the
+            standbys are warm, at most this long, so a loss in the first steps already finds
+            one ready (a standby that dies or fails to spawn ends the wait for it). 0 = the
+            first step starts at once and the standbys warm up beside the training.
         overlap: start each step's cross-replica reduction during its last backward,
             bucket by bucket as backward produces the gradients (:mod:`~.recovery.overlap`);
             recovery rounds stay synchronous. False = reduce after the last backward.
@@ -277,6 +281,7 @@ class RecoverConfig:
     rejoin_backoff_s: float = 5.0
     rejoin_timeout_s: float = 120.0
     rejoin_standbys: int = 0
+    rejoin_standbys_wait_s: float = 60.0
     overlap: bool = True
     sync_every_microbatch: bool = False
 
@@ -339,6 +344,8 @@ class RecoverConfig:
         for key, fix in (
             ("rejoin_backoff_s", "set recover.rejoin_backoff_s to the seconds between spawn attempts"),
             ("rejoin_timeout_s", "set recover.rejoin_timeout_s to the seconds a replacement may take to start"),
+            ("rejoin_standbys_wait_s", "set recover.rejoin_standbys_wait_s to the seconds the first step may wait for "
+                                       "the standbys to be warm (0 = not at all)"),
         ):
             _set(self, key, _number(key, getattr(self, key), fix, positive=key == "rejoin_timeout_s", finite=True, requirement="a number of seconds"))
         if not isinstance(self.sdc, SDCConfig):

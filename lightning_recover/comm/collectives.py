@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from lightning_recover.comm import mpi_wait
 from lightning_recover.comm.buckets import ReduceHandle, plan_buckets
 from lightning_recover.comm.data_plane import DataPlane, MPIDataPlane, native_dtypes, widened_dtypes
 from lightning_recover.comm.interface import PeerFailure
@@ -146,8 +147,12 @@ class Collectives:
 
 
     def barrier(self) -> None:
+        """Wait for every member; on an oversubscribed host asleep (:mod:`~.mpi_wait`), not spinning."""
         try:
-            self.world.Barrier()
+            if mpi_wait.polite():
+                mpi_wait.wait(self.world.Ibarrier())
+            else:
+                self.world.Barrier()
         except mpi().Exception as exc:
             raise self._fail("barrier", exc) from None
 

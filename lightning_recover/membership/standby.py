@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 
 __all__ = ["OpenAttempt", "Standby", "WarmStandbys"]
 
+#: How often the leader looks at its standbys while the first step waits for them to be warm.
+STANDBY_WAIT_POLL_S = 0.05
+
 
 def _mpi() -> Any:
     """``mpi4py.MPI``, imported on first use: the import initializes MPI, which the joiner does itself first."""
@@ -149,8 +152,12 @@ class WarmStandbys:
         if not self.comm.is_leader or self.standbys <= 0:
             return
         self._training = training
+        now = time.time()
         for sb in [*self.pool, *self.seated]:
             self._poll_standby(sb)
+            if sb.error is None and len(sb.warm) < self.shards and now - sb.spawned_at > self.timeout_s:
+                # A stopped or wedged standby never says WARM: without this, its seat would wait forever.
+                sb.error = f"not warm {self.timeout_s:g} s after its spawn (recover.rejoin_timeout_s)"
             if sb.error is not None and (self.attempt is None or self.attempt.standby is not sb):
                 self._forget(sb, sb.error)
         seated = {sb.replica for sb in self.seated}
@@ -176,6 +183,29 @@ class WarmStandbys:
         if started and not training:
             print(f"[lightning-recover] {started} warm standby(s) starting while the job sets up (recover.rejoin_standbys)",
                   file=sys.stderr, flush=True)
+
+    def await_warm(self, limit_s: float) -> None:
+        """The leader, before the first step: tend the standbys until every one is warm, at most ``limit_s``.
+
+        The training ranks wait meanwhile (they leave the cores to the standbys' imports), so
+        a loss in the first steps finds a standby ready instead of one still importing torch.
+        A standby that dies or fails to spawn is forgotten by :meth:`tend` and no longer
+        waited for; a spawn that hangs costs at most ``limit_s``."""
+        if not self.comm.is_leader or self.standbys <= 0 or limit_s <= 0:
+            return
+        t0 = time.monotonic()
+        while self.pool and not all(len(sb.warm) == self.shards for sb in self.pool):
+            if time.monotonic() - t0 >= limit_s:
+                cold = sum(len(sb.warm) < self.shards for sb in self.pool)
+                print(f"[lightning-recover] {cold} standby(s) not warm after {limit_s:g} s "
+                      "(recover.rejoin_standbys_wait_s): training starts, they warm up beside it",
+                      file=sys.stderr, flush=True)
+                return
+            time.sleep(STANDBY_WAIT_POLL_S)
+            self.tend(training=False)
+        if self.pool:
+            print(f"[lightning-recover] {len(self.pool)} warm standby(s) ready {time.monotonic() - t0:.1f} s "
+                  "into the job's set-up; training starts", file=sys.stderr, flush=True)
 
     def _forget(self, sb: Standby, reason: str) -> None:
         if sb in self.pool:
@@ -270,12 +300,13 @@ class WarmStandbys:
         print(f"[lightning-recover] standby {sb.number} takes the seat of replica {replica}", file=sys.stderr, flush=True)
 
     def _dismiss(self, sb: Standby, reason: str) -> None:
-        """Tell a standby to leave (it exits 0); one that never said hello is fenced instead."""
+        """Tell a standby to leave (it exits 0); one that never said hello or is not warm yet is fenced
+        instead (stopped or wedged in its imports, it would never read the message)."""
         if sb.link is not None:
             self._poll_standby(sb)
             if sb.procs and sb.error is None:
                 self._send_link(sb, {"quit": reason}, TAG_SEAT)
-        if len(sb.procs) < self.shards:
+        if len(sb.procs) < self.shards or (sb.replica is None and len(sb.warm) < self.shards):
             self._fence_standby(sb, reason)
 
     def _fence_standby(self, sb: Standby, reason: str) -> None:

@@ -259,8 +259,12 @@ class RecoveryJob:
         if c.rejoin:
             self.recruiter = self._make_recruiter()
             if self.joining is None:
-                # Standbys start now, while this job still sets up, not after its first loss.
+                # Standbys start now, while this job still sets up, not after its first loss; the
+                # first step waits for them, every rank in a barrier that leaves the cores to them.
                 self.recruiter.tend(training=False)
+                if c.rejoin_standbys and c.rejoin_standbys_wait_s:
+                    self.recruiter.await_warm(c.rejoin_standbys_wait_s)
+                    self.comm.barrier()
 
     def _make_recruiter(self) -> Recruiter:
         assert self.comm is not None and self.layout is not None

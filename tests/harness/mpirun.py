@@ -64,7 +64,7 @@ def _run_once(
 
     With ``cluster`` the launcher runs on the fake cluster's head host and places the ranks
     on all its hosts (``map_by``: Open MPI's ``--map-by``); ``during()`` then runs while the
-    job does (host faults), and a timed-out job has every process of every host killed.
+    job does (host faults; without a cluster, e.g. killing standbys), and a timed-out job has every process of every host killed.
     ``mpi_args``: extra mpiexec arguments (the launcher's ``--mpi-arg``), e.g. Open MPI's
     heartbeat detector without its thread. ``launcher_options``: more ``lightning-recover launch``
     options (fake-cluster jobs only), e.g. ``--status-dir``."""
@@ -75,8 +75,8 @@ def _run_once(
             launcher_options=launcher_options,
         )
     else:
-        if map_by is not None or during is not None or launcher_options:
-            raise ValueError("map_by, during and launcher_options apply to fake-cluster jobs only; pass cluster=")
+        if map_by is not None or launcher_options:
+            raise ValueError("map_by and launcher_options apply to fake-cluster jobs only; pass cluster=")
         cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(nprocs)]
         if hang_timeout is not None:
             cmd += ["--hang-timeout", str(hang_timeout)]

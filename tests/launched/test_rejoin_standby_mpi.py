@@ -11,7 +11,12 @@ single-process reference's, and no standby outlives the job.
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,8 +47,12 @@ def test_a_lost_replica_comes_back_from_a_warm_standby_and_the_spare_standby_lea
     assert "spawning" not in err  # no cold spawn: the standby served
     joins = joins_by_replica(ledger_lines(job))
     assert [j["ok"] for j in joins[1]] == [True], joins
-    # The second standby (spawned to replace the one used) was told to leave, not left behind.
-    assert "killing standby" not in err, job.describe()
+    # The second standby (spawned to replace the one used) was told to leave, or, still importing
+    # when training ended, fenced; the used one never.
+    assert not re.search(r"killing standby \(pid \d+\): standby 1:", err), job.describe()
+    for line in err.splitlines():
+        if "killing standby" in line:
+            assert "training ended" in line, line
 
 
 def test_two_losses_close_together_are_both_served_by_standbys(tmp_path: Path) -> None:
@@ -87,3 +96,100 @@ def test_the_leaders_death_orphans_its_standby_which_leaves_and_the_new_leader_b
     assert "standby 1 takes the seat of replica 0" in err, job.describe()
     joins = joins_by_replica(ledger_lines(job))
     assert [j["ok"] for j in joins[0]] == [True], joins
+
+
+def _standbys_of(outdir: Path, *, importing: bool) -> list[int]:
+    """Pids of the standby processes of the job writing to ``outdir`` (their leader's ``LR_TEST_OUT``);
+    ``importing``: only those that already mapped torch (they said hello and are importing)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"lightning_recover.cli.joiner" not in argv or b"--standby" not in argv:
+                continue
+            spec = json.loads(argv[argv.index(b"--standby") + 1])
+            leader_env = Path(f"/proc/{spec['leader_pid']}/environ").read_bytes().split(b"\0")
+            if f"LR_TEST_OUT={outdir}".encode() not in leader_env:
+                continue
+            if importing and b"libtorch" not in (entry / "maps").read_bytes():
+                continue
+        except (OSError, ValueError, KeyError, IndexError):
+            continue  # it ended meanwhile
+        found.append(int(entry.name))
+    return found
+
+
+def _signal_first_standby(outdir: Path, sig: signal.Signals, hit: list[int]) -> Callable[[], None]:
+    """What runs beside the job: ``sig`` to its first standby as soon as it imports torch."""
+
+    def during() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            pids = _standbys_of(outdir, importing=True)
+            if pids:
+                os.kill(pids[0], sig)
+                hit.append(pids[0])
+                return
+            time.sleep(0.02)
+        raise AssertionError("no standby of the job appeared within 120 s")
+
+    return during
+
+
+def _line_index(err: str, pattern: str) -> int:
+    """The index of the first stderr line matching ``pattern`` (fails the test if none does)."""
+    lines = err.splitlines()
+    found = next((i for i, ln in enumerate(lines) if re.search(pattern, ln)), None)
+    assert found is not None, f"no line matches {pattern!r}:\n{err[-4000:]}"
+    return found
+
+
+def test_the_first_step_waits_for_the_standbys_and_one_killed_while_importing_is_replaced(tmp_path: Path) -> None:
+    """4 replicas, 1 standby. The standby is SIGKILLed while it imports torch, while the first
+    step waits for it: the leader counts it lost, spawns another, and training starts only
+    once that one is warm. Rank 1 is then SIGKILLed in step 3 and the new standby takes its
+    seat at once (no cold spawn); the run stays the reference's."""
+    argv = ["--steps", "30", "--rejoin", "--rejoin-standbys", "1", "--slow-while-degraded", "0.5"]
+    hit: list[int] = []
+    job = train_worker(4, tmp_path, argv, [kill(3, 1)], timeout=300, during=_signal_first_standby(tmp_path, signal.SIGKILL, hit))
+    assert job.returncode == 0, job.describe()
+    assert len(hit) == 1, hit
+    results = assert_reference_run(job, argv, 4)
+    assert all(r["alive"] == [0, 1, 2, 3] and r["global_step"] == 30 for r in results.values()), results
+    err = job.stderr
+    lost = _line_index(err, r"standby 1 lost: a standby process died")
+    ready = _line_index(err, r"1 warm standby\(s\) ready [\d.]+ s into the job's set-up; training starts")
+    first_loss = _line_index(err, r"world epoch \d+: lost replica\(s\) \[1\]")
+    assert lost < ready < first_loss, job.describe()
+    assert "standby 2 takes the seat of replica 1" in err and "spawning" not in err, job.describe()
+    # The replacement came from a standby that was warm before the loss.
+    line = err.splitlines()[_line_index(err, r"replacement for rank 1 .* starts its first step")]
+    assert "standby waiting for a loss" in line, line
+    joins = joins_by_replica(ledger_lines(job))
+    assert [j["ok"] for j in joins[1]] == [True], joins
+
+
+def test_a_standby_stopped_while_importing_delays_the_first_step_at_most_the_wait_and_is_given_up(tmp_path: Path) -> None:
+    """4 replicas, 1 standby, hang watchdog off. The standby is SIGSTOPped while it imports:
+    training starts after ``rejoin_standbys_wait_s`` (5 s) and says so; rank 1 is SIGKILLed in
+    step 3; the stopped standby is fenced ``rejoin_timeout_s`` (20 s) after its spawn, a new
+    one is spawned and brings replica 1 back; nothing is left stopped at the end."""
+    argv = ["--steps", "90", "--rejoin", "--rejoin-standbys", "1", "--rejoin-standbys-wait", "5", "--rejoin-timeout", "20",
+            "--slow-while-degraded", "0.5"]
+    hit: list[int] = []
+    job = train_worker(4, tmp_path, argv, [kill(3, 1)], timeout=300, hang_timeout=0,
+                       during=_signal_first_standby(tmp_path, signal.SIGSTOP, hit))
+    assert job.returncode == 0, job.describe()
+    assert len(hit) == 1, hit
+    results = assert_reference_run(job, argv, 4)
+    assert all(r["alive"] == [0, 1, 2, 3] and r["global_step"] == 90 for r in results.values()), results
+    err = job.stderr
+    waited = _line_index(err, r"1 standby\(s\) not warm after 5 s \(recover.rejoin_standbys_wait_s\): training starts")
+    given_up = _line_index(err, r"standby 1 lost: not warm 20 s after its spawn \(recover.rejoin_timeout_s\)")
+    assert waited < given_up < _line_index(err, r"standby 2 takes the seat of replica 1"), job.describe()
+    assert f"killing standby (pid {hit[0]}): standby 1: not warm 20 s" in err, job.describe()
+    assert not Path(f"/proc/{hit[0]}").exists(), f"the stopped standby {hit[0]} outlived the job"
+    joins = joins_by_replica(ledger_lines(job))
+    assert [j["ok"] for j in joins[1]] == [True], joins

@@ -66,6 +66,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--rejoin-attempts", type=int, default=3, help="recover.rejoin_attempts")
     ap.add_argument("--rejoin-timeout", type=float, default=60.0, help="recover.rejoin_timeout_s")
     ap.add_argument("--rejoin-standbys", type=int, default=0, help="recover.rejoin_standbys (warm standbys)")
+    ap.add_argument("--rejoin-standbys-wait", type=float, default=60.0, help="recover.rejoin_standbys_wait_s")
     ap.add_argument("--replacement-exit", action="append", default=[], metavar="RANK:HOW:STATUS",
                     help="the replacement of RANK exits with STATUS as the script starts (a broken node): HOW=raise "
                     "is sys.exit(STATUS), HOW=hard is os._exit(STATUS) (no Python exit path runs)")
@@ -272,7 +273,8 @@ def main() -> None:
         ledger_path=out / "ledger.jsonl", seed=args.seed, bucket_mb=0.01, min_replicas=args.min_replicas,
         checkpoint_dir=args.ckpt_dir, checkpoint_every_n_steps=args.ckpt_every,
         rejoin=args.rejoin, rejoin_backoff_s=0.5, rejoin_timeout_s=args.rejoin_timeout, rejoin_hosts=args.rejoin_hosts,
-        rejoin_attempts=args.rejoin_attempts, rejoin_standbys=args.rejoin_standbys, sdc_every_n_steps=args.sdc_every, sdc_action=args.sdc_action,
+        rejoin_attempts=args.rejoin_attempts, rejoin_standbys=args.rejoin_standbys,
+        rejoin_standbys_wait_s=args.rejoin_standbys_wait, sdc_every_n_steps=args.sdc_every, sdc_action=args.sdc_action,
         overlap=not args.no_overlap, sync_every_microbatch=args.sync_every_microbatch,
         data_plane=args.data_plane, replica_plane=args.replica_plane,
     )
