@@ -79,3 +79,13 @@ def test_standby_count_is_validated_naming_the_value() -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigurationError, match="rejoin_standbys"):
             RecoverConfig(rejoin_standbys=bad)
+
+
+def test_standby_wait_is_validated_naming_the_value_and_the_fix() -> None:
+    from lightning_recover.config import ConfigurationError, RecoverConfig
+
+    assert RecoverConfig().rejoin_standbys_wait_s == 60.0
+    assert RecoverConfig(rejoin_standbys_wait_s=0).rejoin_standbys_wait_s == 0.0
+    for bad in (-1, float("nan"), float("inf"), "10", True):
+        with pytest.raises(ConfigurationError, match=r"rejoin_standbys_wait_s.*set recover.rejoin_standbys_wait_s"):
+            RecoverConfig(rejoin_standbys_wait_s=bad)
