@@ -10,7 +10,7 @@ hanging. (On several hosts the rule is off: ranks elsewhere may still be trainin
 It also ends ``mpiexec`` when the job's last world has finished but ``mpiexec`` still waits
 on ranks it cannot reach (a frozen or cut-off host), when the caller's stall watchdog fires
 (:data:`STALLED_STATUS`), and at a timeout; Ctrl-C and SIGTERM go to the whole job. No rank
-ever outlives the call. What the job's status *means* is read from the ranks' markers
+ever outlives the call, nor do the heartbeat directories its killed ranks leave on this host. What the job's status *means* is read from the ranks' markers
 afterwards (:mod:`lightning_recover.cli.job_status`).
 """
 
@@ -23,6 +23,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+
+from lightning_recover.runtime.watchdog import remove_launch_directories
 
 
 #: Exit status when the supervisor had to end a job whose ranks were all gone.
@@ -163,5 +165,7 @@ def run_supervised(
         while left and time.monotonic() < deadline:  # gone before the caller starts anything else
             left = [p for p in left if p in session_ranks(proc.pid)]
             time.sleep(0.05)
+        if proc.poll() is not None:
+            remove_launch_directories(proc.pid)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -61,12 +61,30 @@ def default_hang_timeout() -> float | None:
     return value or None
 
 
+def _heartbeat_base() -> Path:
+    return Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+
+
 def job_directory(job_id: str | None = None) -> Path:
     """Per-job heartbeat directory on this host (memory-backed where available)."""
     job_id = job_id or os.environ.get("PMIX_NAMESPACE") or os.environ.get("OMPI_MCA_ess_base_jobid") or "local"
-    base = Path("/dev/shm") if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in job_id)
-    return base / f"lightning-recover-{safe}"
+    return _heartbeat_base() / f"lightning-recover-{safe}"
+
+
+def remove_launch_directories(mpiexec_pid: int, base: Path | None = None) -> list[Path]:
+    """Remove the heartbeat directories on this host of the jobs one ``mpiexec`` ran (its own and
+    its spawns': PMIx namespaces ``prterun-<host>-<pid>@<n>``); returns them.
+
+    The last rank out removes its job's directory, but a SIGKILLed rank never withdraws its
+    heartbeat, so after a fault the directory would outlive the job (one per run, for ever,
+    in a memory-backed /dev/shm). The launcher calls this once ``mpiexec`` has exited."""
+    removed = []
+    for path in (base or _heartbeat_base()).glob(f"lightning-recover-prterun-*-{int(mpiexec_pid)}_*"):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 class HangWatchdog:
@@ -174,7 +192,3 @@ class HangWatchdog:
         self.killed[rank] = reason  # decided once: a pid that is gone or reused is never retried
         if kill_process(pid, start, reason, by=f"watchdog on rank {self.rank}", target=f"rank {rank}") and self.on_kill is not None:
             self.on_kill(rank, reason)
-
-
-def remove_job_directory(directory: Path) -> None:
-    shutil.rmtree(directory, ignore_errors=True)

@@ -153,8 +153,11 @@ def test_the_first_step_waits_for_the_standbys_and_one_killed_while_importing_is
     seat at once (no cold spawn); the run stays the reference's."""
     argv = ["--steps", "30", "--rejoin", "--rejoin-standbys", "1", "--slow-while-degraded", "0.5"]
     hit: list[int] = []
+    beats_before = set(Path("/dev/shm").glob("lightning-recover-*"))
     job = train_worker(4, tmp_path, argv, [kill(3, 1)], timeout=300, during=_signal_first_standby(tmp_path, signal.SIGKILL, hit))
     assert job.returncode == 0, job.describe()
+    # The killed rank's heartbeat directory did not outlive the job (the launcher removed it).
+    assert set(Path("/dev/shm").glob("lightning-recover-*")) <= beats_before
     assert len(hit) == 1, hit
     results = assert_reference_run(job, argv, 4)
     assert all(r["alive"] == [0, 1, 2, 3] and r["global_step"] == 30 for r in results.values()), results

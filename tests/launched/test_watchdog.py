@@ -92,3 +92,18 @@ def test_timeout_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         default_hang_timeout()
     with pytest.raises(ValueError, match="hang_timeout must be > 0 seconds, got -1"):
         HangWatchdog(0, -1)
+
+
+def test_the_launcher_removes_the_heartbeat_directories_its_killed_ranks_left(tmp_path: Path) -> None:
+    """A SIGKILLed rank never withdraws its heartbeat; once mpiexec (pid 4242 here) exited the
+    launcher removes its jobs' directories (its own namespace and its spawns'), no other job's."""
+    from lightning_recover.runtime.watchdog import remove_launch_directories
+
+    ours = [tmp_path / "lightning-recover-prterun-node1-4242_1", tmp_path / "lightning-recover-prterun-node1-4242_3"]
+    others = [tmp_path / "lightning-recover-prterun-node1-42421_1", tmp_path / "lightning-recover-prterun-node1-14242_1",
+              tmp_path / "lightning-recover-local"]
+    for d in ours + others:
+        d.mkdir()
+        (d / "2.json").write_text("{}")
+    assert sorted(remove_launch_directories(4242, base=tmp_path)) == sorted(ours)
+    assert [d.exists() for d in ours + others] == [False, False, True, True, True]
