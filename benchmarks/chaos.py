@@ -13,6 +13,9 @@ first). Every run is checked against the invariants the project promises:
 * every surviving replica holds bitwise-identical parameters;
 * every injected fault that fired was recovered (appears in the ledger's faults).
 
+With ``--terms`` half of the kills are SIGTERMs (mpiexec ending ranks, a node drained),
+which the strategy turns into an immediate death: the same invariants hold.
+
 Every run also checks for silent data corruption after each step (``recover.sdc``,
 repair): in a run without injected corruption a detection is a *false positive* and a
 violation. With ``--corrupt`` every run also gets one ``kind: corrupt`` fault -- a bit flip
@@ -611,12 +614,12 @@ def host_campaign(
 
 def campaign(
     runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, hangs: bool = True, stuck: bool = False,
-    joins: bool = False, corrupt: bool = False,
+    joins: bool = False, corrupt: bool = False, terms: bool = False,
 ) -> list[Outcome]:
     rng = random.Random(seed)
     outcomes = []
     for i in range(runs):
-        run = draw_run(i, rng, steps, hangs=hangs, stuck=stuck, joins=joins, corrupt=corrupt)
+        run = draw_run(i, rng, steps, hangs=hangs, stuck=stuck, joins=joins, corrupt=corrupt, terms=terms)
         res = execute(run, outdir / f"run{i:04d}", hang_timeout, bound_s)
         outcomes.append(res)
         status = "OK" if not res.violations else "VIOLATION: " + "; ".join(res.violations)
@@ -647,6 +650,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="a run longer than this counts as a hang (default 240 s; 420 s with --hosts, where a relaunch may follow a stall timeout)")
     ap.add_argument("--no-hangs", action="store_true", help="inject SIGKILLs only")
     ap.add_argument("--stuck", action="store_true", help="half of the silent faults spin in compute instead of SIGSTOP")
+    ap.add_argument("--terms", action="store_true", help="half of the kills are SIGTERMs instead of SIGKILLs")
     ap.add_argument("--corrupt", action="store_true", help="one bit-flip corruption per run (silent data corruption)")
     ap.add_argument("--joins", action="store_true", help="hot re-join on, and faults on the replacements (needs --steps >= 30)")
     ap.add_argument("--hosts", type=int, default=0, metavar="N",
@@ -663,15 +667,15 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--hosts must be >= 2 (a host fault needs a host besides the head, where mpiexec runs), got {args.hosts}")
         if args.steps < 3:
             ap.error(f"--hosts needs --steps >= 3 (a step before the host fault and one after), got {args.steps}")
-        if args.joins or args.stuck or args.corrupt:
-            ap.error("--hosts does not combine with --joins, --stuck or --corrupt (their campaigns run on one machine)")
+        if args.joins or args.stuck or args.corrupt or args.terms:
+            ap.error("--hosts does not combine with --joins, --stuck, --corrupt or --terms (their campaigns run on one machine)")
         outcomes = host_campaign(
             args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, args.hosts, hangs=not args.no_hangs
         )
     else:
         outcomes = campaign(
             args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, hangs=not args.no_hangs, stuck=args.stuck,
-            joins=args.joins, corrupt=args.corrupt,
+            joins=args.joins, corrupt=args.corrupt, terms=args.terms,
         )
     print(summary(outcomes))
     bad = any(o.violations or o.split_brain for o in outcomes)

@@ -16,8 +16,11 @@ the donor before it sends the live state and in a replacement before it receives
 step ``step``) over ``strategy.replica_group`` (:mod:`lightning_recover.comm.process_group`):
 before its MPI calls (its peers are left waiting inside the collective), and after they
 returned, before the survivors agree on the result (its peers may have completed it).
-``kind`` is kill (SIGKILL), hang (SIGSTOP: no thread of the process runs) or stuck (the
-main thread spins forever while the process stays alive, like a rank wedged in compute). ``microbatch``
+``kind`` is kill (SIGKILL), hang (SIGSTOP: no thread of the process runs), stuck (the
+main thread spins forever while the process stays alive, like a rank wedged in compute) or
+term (SIGTERM, as mpiexec aborting a job or a scheduler draining a node sends it: the
+strategy lets it end the rank at once, as killed by the signal, see
+:func:`lightning_recover.runtime.lifecycle.die_on_sigterm`). ``microbatch``
 pins forward/backward to the k-th microbatch (0-based) this replica computes in that
 step; ``bucket`` pins reduce to that bucket index (default 0). ``kind: corrupt`` is silent
 data corruption instead: the process lives on, and one bit (bit 20 of the first element:
@@ -76,7 +79,7 @@ EVALUATION_PHASES = ("validation", "test", "predict")
 COLLECTIVE_PHASES = ("collective", "collective_done")
 #: Host-level kinds: applied by a harness outside the job (module docstring).
 HOST_KINDS = ("host_ranks_kill", "host_kill", "host_freeze", "host_partition", "host_flap")
-KINDS = ("kill", "hang", "stuck", "corrupt", *HOST_KINDS)
+KINDS = ("kill", "hang", "stuck", "term", "corrupt", *HOST_KINDS)
 #: The directory a host-fault harness watches for requests (module docstring).
 ENV_HOST_FAULTS = "LIGHTNING_RECOVER_HOST_FAULTS"
 #: How long a rank waits for the harness to confirm a host fault it asked for.
@@ -85,7 +88,7 @@ HOST_FAULT_ACK_S = 30.0
 FLAP_DEFAULT_S = 3.0
 #: What ``kind: corrupt`` flips a bit of.
 TARGETS = ("params", "grads", "optimizer")
-_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP}
+_SIGNALS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "term": signal.SIGTERM}
 
 
 @dataclass(frozen=True)

@@ -86,10 +86,13 @@ JOIN_PHASES = ("join_startup", "join_transfer", "joined")
 
 
 def draw_run(
-    index: int, rng: random.Random, steps: int, hangs: bool = True, stuck: bool = False, joins: bool = False, corrupt: bool = False
+    index: int, rng: random.Random, steps: int, hangs: bool = True, stuck: bool = False, joins: bool = False, corrupt: bool = False,
+    terms: bool = False,
 ) -> ChaosRun:
     """One random run. A fifth of the faults are silent (SIGSTOP, or with ``stuck`` half of
     those spin in compute instead); ``stuck`` does not change the other draws of a seed.
+    With ``terms`` half of the kills are SIGTERMs instead (mpiexec ending ranks, a node
+    drained), which must cost what a kill costs; it too leaves the rest of the draw alone.
     ``joins`` turns re-join on and adds faults on replacements, ``corrupt`` adds one bit
     flip (both drawn after the others, so the rest of a seed's draw is the same)."""
     W, S, T = rng.choice(TOPOLOGIES)
@@ -102,6 +105,8 @@ def draw_run(
         phase = rng.choice(PHASES)
         r = rng.random()
         kind = "kill" if not hangs or r >= 0.2 else ("stuck" if stuck and r >= 0.1 else "hang")
+        if kind == "kill" and terms and r >= 0.6:
+            kind = "term"
         fault: dict[str, Any] = {"step": step, "rank": rank, "phase": phase, "kind": kind}
         if phase in ("forward", "backward"):
             # Indices past the replica's own quota land in a boundary step (a cascade).

@@ -52,13 +52,24 @@ def test_stuck_faults_replace_only_some_hangs(seed: int, steps: int) -> None:
         assert b["kind"] == a["kind"] or (a["kind"], b["kind"]) == ("hang", "stuck")
 
 
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 6))
+def test_terms_replace_only_some_kills(seed: int, steps: int) -> None:
+    plain, mixed = draw_run(0, random.Random(seed), steps, stuck=True), draw_run(0, random.Random(seed), steps, stuck=True, terms=True)
+    assert len(plain.faults) == len(mixed.faults)
+    for a, b in zip(plain.faults, mixed.faults):
+        assert {**a, "kind": None} == {**b, "kind": None}  # same victim, step, phase, timing
+        assert b["kind"] == a["kind"] or (a["kind"], b["kind"]) == ("kill", "term")
+
+
 @pytest.mark.mpi
 def test_short_campaign_has_no_violation(tmp_path: Path) -> None:
     # With --stuck, seed 1043 draws 3 SIGSTOPs and 1 rank spinning in compute among 20 faults in 7
-    # runs over 4 topologies (2x2, 4x1, 4x1 with a spare, 5x1 with a spare).
+    # runs over 4 topologies (2x2, 4x1, 4x1 with a spare, 5x1 with a spare); with --terms some
+    # of its kills are SIGTERMs, in the same runs, so SIGKILLs and SIGTERMs meet in one step.
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--runs", "7", "--seed", "1043", "--steps", "2", "--stuck",
-        "--out", str(tmp_path),
+        "--terms", "--out", str(tmp_path),
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     print(res.stdout)
@@ -66,6 +77,7 @@ def test_short_campaign_has_no_violation(tmp_path: Path) -> None:
     lines = res.stdout.splitlines()
     assert lines[-1].startswith("chaos: OK: 7 runs, 0 with violations")
     assert sum(" stuck -> " in line or " stuck, " in line for line in lines) == 1, "the draw should hold one stuck fault"
+    assert any(" term" in line and " kill" in line for line in lines if line.startswith("[")), "a run should mix SIGTERM and SIGKILL"
     table = dict(line.split("  ", 1) for line in lines if not line.startswith(("[", "chaos:")))
     table = {k.strip(): v.strip() for k, v in table.items()}
     assert table["violations"] == "0" and table["hangs"] == "0"

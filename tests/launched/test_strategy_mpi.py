@@ -137,6 +137,24 @@ def test_kills_in_each_phase_4x1(tmp_path: Path, fault_free: dict[str, MPIJob], 
     print(f"4x1 {phases}: recovery pauses {ledger[1]['recovery_s']:.3f}s, {ledger[2]['recovery_s']:.3f}s")
 
 
+def test_a_sigterm_and_a_sigkill_in_the_same_step(tmp_path: Path, fault_free: dict[str, MPIJob]) -> None:
+    # 4x1, step 1: rank 1 gets SIGTERM in its backward (a node drained, or mpiexec ending ranks)
+    # while rank 2 is SIGKILLed in the reduce. SIGTERM ends a rank at once, like a kill (never
+    # Lightning's deferred exit, whose broadcast no other rank joins): one repair of step 1
+    # drops both replicas, and the run stays on the fault-free trajectory.
+    n, args = TOPOLOGIES["4x1"]
+    job = launch(tmp_path, n, args, [
+        {"step": 1, "rank": 1, "phase": "backward", "kind": "term"},
+        {"step": 1, "rank": 2, "phase": "reduce", "kind": "kill"},
+    ])
+    assert job.returncode == 0, job.describe()
+    ledger = check_recovered_run(job, fault_free["4x1"], expect_faults=2)
+    assert [line["faults"] for line in ledger] == [[], [1, 2], [], []], job.describe()
+    assert ledger[-1]["replicas"] == [0, 3], job.describe()
+    assert sorted(survivor_params(job)) == [0, 3], job.describe()
+    assert "fault injection: term rank 1 at step 1 backward" in job.stderr, job.describe()
+
+
 @pytest.mark.parametrize(
     ("topology", "faults", "lost"),
     [
