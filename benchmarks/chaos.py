@@ -30,6 +30,8 @@ replacements are themselves killed while starting, while receiving the state, or
 after joining (``join_startup`` / ``join_transfer`` / ``joined``, counted by re-join
 attempt). The same invariants hold; a replacement that finished the run must hold the
 survivors' parameters, and only a replacement killed after joining is a recorded loss.
+With ``--standbys N`` as well, the leader keeps N warm standbys, so the replacements (and
+the faults drawn for them) are standbys seated on the lost replicas.
 
 With ``--hosts N`` (N >= 2, root: fake hosts in network namespaces,
 :mod:`lightning_recover.testing.fake_cluster`) every run goes onto up to N fake hosts
@@ -210,7 +212,7 @@ def job(config_path: str, resume: bool = False) -> None:
     strategy = ReCoVerHSDPStrategy(
         shards=cfg["shards"], grad_accum=cfg["grad_accum"], target_replicas=None if resume else cfg["target"], seed=cfg["seed"],
         ledger_path=out / "ledger.jsonl", bucket_mb=0.01,
-        rejoin=cfg.get("rejoin", False), rejoin_backoff_s=0.5, rejoin_timeout_s=60.0,
+        rejoin=cfg.get("rejoin", False), rejoin_backoff_s=0.5, rejoin_timeout_s=60.0, rejoin_standbys=cfg.get("standbys", 0),
         sdc_every_n_steps=1, sdc_action="repair",
         # Written in the foreground: a relaunch must find the step's checkpoint complete.
         **({"checkpoint_dir": ckpt_dir, "checkpoint_every_n_steps": 1, "checkpoint_async_save": False} if supervised else {}),
@@ -614,12 +616,13 @@ def host_campaign(
 
 def campaign(
     runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, hangs: bool = True, stuck: bool = False,
-    joins: bool = False, corrupt: bool = False, terms: bool = False,
+    joins: bool = False, corrupt: bool = False, terms: bool = False, standbys: int = 0,
 ) -> list[Outcome]:
     rng = random.Random(seed)
     outcomes = []
     for i in range(runs):
         run = draw_run(i, rng, steps, hangs=hangs, stuck=stuck, joins=joins, corrupt=corrupt, terms=terms)
+        run.standbys = standbys if joins else 0
         res = execute(run, outdir / f"run{i:04d}", hang_timeout, bound_s)
         outcomes.append(res)
         status = "OK" if not res.violations else "VIOLATION: " + "; ".join(res.violations)
@@ -653,6 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--terms", action="store_true", help="half of the kills are SIGTERMs instead of SIGKILLs")
     ap.add_argument("--corrupt", action="store_true", help="one bit-flip corruption per run (silent data corruption)")
     ap.add_argument("--joins", action="store_true", help="hot re-join on, and faults on the replacements (needs --steps >= 30)")
+    ap.add_argument("--standbys", type=int, default=0, metavar="N",
+                    help="with --joins: N warm standbys (recover.rejoin_standbys); the replacements, and their faults, come from them")
     ap.add_argument("--hosts", type=int, default=0, metavar="N",
                     help="run on N >= 2 fake hosts (root) with one host fault per run, mixed with rank faults (module docstring)")
     args = ap.parse_args(argv)
@@ -660,6 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         args.bound = 420.0 if args.hosts else 240.0
     if args.runs < 1:
         ap.error(f"--runs must be >= 1, got {args.runs}")
+    if args.standbys and not args.joins:
+        ap.error("--standbys needs --joins (standbys serve re-joins)")
     if args.joins and args.steps < 30:
         ap.error(f"--joins needs --steps >= 30 (a replacement takes seconds to start), got {args.steps}")
     if args.hosts:
@@ -675,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         outcomes = campaign(
             args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, hangs=not args.no_hangs, stuck=args.stuck,
-            joins=args.joins, corrupt=args.corrupt, terms=args.terms,
+            joins=args.joins, corrupt=args.corrupt, terms=args.terms, standbys=args.standbys,
         )
     print(summary(outcomes))
     bad = any(o.violations or o.split_brain for o in outcomes)

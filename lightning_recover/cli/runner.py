@@ -10,8 +10,9 @@ hanging. (On several hosts the rule is off: ranks elsewhere may still be trainin
 It also ends ``mpiexec`` when the job's last world has finished but ``mpiexec`` still waits
 on ranks it cannot reach (a frozen or cut-off host), when the caller's stall watchdog fires
 (:data:`STALLED_STATUS`), and at a timeout; Ctrl-C and SIGTERM go to the whole job. No rank
-ever outlives the call, nor do the heartbeat directories its killed ranks leave on this host. What the job's status *means* is read from the ranks' markers
-afterwards (:mod:`lightning_recover.cli.job_status`).
+ever outlives the call, nor do the heartbeat directories its killed ranks leave on this
+host. What the job's status *means* is read from the ranks' markers afterwards
+(:mod:`lightning_recover.cli.job_status`).
 """
 
 from __future__ import annotations

@@ -66,6 +66,8 @@ __all__ = ["OpenAttempt", "Standby", "WarmStandbys"]
 
 #: How often the leader looks at its standbys while the first step waits for them to be warm.
 STANDBY_WAIT_POLL_S = 0.05
+#: How often that wait says it is still waiting.
+STANDBY_WAIT_SHOW_S = 10.0
 
 
 def _mpi() -> Any:
@@ -193,14 +195,18 @@ class WarmStandbys:
         waited for; a spawn that hangs costs at most ``limit_s``."""
         if not self.comm.is_leader or self.standbys <= 0 or limit_s <= 0:
             return
-        t0 = time.monotonic()
-        while self.pool and not all(len(sb.warm) == self.shards for sb in self.pool):
-            if time.monotonic() - t0 >= limit_s:
-                cold = sum(len(sb.warm) < self.shards for sb in self.pool)
+        t0 = shown = time.monotonic()
+        while cold := sum(len(sb.warm) < self.shards for sb in self.pool):
+            now = time.monotonic()
+            if now - t0 >= limit_s:
                 print(f"[lightning-recover] {cold} standby(s) not warm after {limit_s:g} s "
                       "(recover.rejoin_standbys_wait_s): training starts, they warm up beside it",
                       file=sys.stderr, flush=True)
                 return
+            if now - shown >= STANDBY_WAIT_SHOW_S:
+                shown = now
+                print(f"[lightning-recover] waiting for {cold} standby(s) to be warm: {now - t0:.0f} s of at most "
+                      f"{limit_s:g} s (recover.rejoin_standbys_wait_s)", file=sys.stderr, flush=True)
             time.sleep(STANDBY_WAIT_POLL_S)
             self.tend(training=False)
         if self.pool:

@@ -52,6 +52,8 @@ class ChaosRun:
     seed: int
     faults: list[dict[str, Any]] = field(default_factory=list)
     rejoin: bool = False
+    #: Warm standbys kept with ``rejoin`` (``recover.rejoin_standbys``; a campaign setting, never drawn).
+    standbys: int = 0
     #: Fake hosts the run uses (0: this machine, no fake hosts) and MPI slots on each.
     hosts: int = 0
     slots: int = 0
@@ -72,7 +74,7 @@ class ChaosRun:
             for f in self.faults
         )
         where = f" on {self.hosts} hosts x {self.slots}" if self.hosts else ""
-        return f"{self.replicas}x{self.shards}{t}{where} G={self.grad_accum} B={self.B}{' rejoin' if self.rejoin else ''}: {fs}"
+        return f"{self.replicas}x{self.shards}{t}{where} G={self.grad_accum} B={self.B}{' rejoin' if self.rejoin else ''}{f' standbys={self.standbys}' if self.standbys else ''}: {fs}"
 
     def host_of(self, rank: int) -> int:
         """The fake host (index) ``rank`` runs on: Open MPI fills each host's slots in turn."""
