@@ -141,7 +141,7 @@ def test_trainer_group_holds_only_trainer_arguments() -> None:
 @pytest.mark.parametrize(
     ("entry", "needle"),
     [
-        ({"step": 1, "rank": 0, "phase": "forward", "kind": "melt"}, "kind='melt' is not one of ('kill', 'hang', 'stuck', 'corrupt', 'host_ranks_kill'"),
+        ({"step": 1, "rank": 0, "phase": "forward", "kind": "melt"}, "kind='melt' is not one of ('kill', 'hang', 'stuck', 'term', 'corrupt', 'host_ranks_kill'"),
         ({"step": 1, "rank": 0, "phase": "checkpoint", "kind": "stuck"}, "kind=stuck at phase=checkpoint"),
         ({"step": -1, "rank": 0, "phase": "forward"}, "step=-1 must be a non-negative integer"),
         ({"rank": 0, "phase": "forward"}, "missing 'step'"),
