@@ -31,7 +31,10 @@ after joining (``join_startup`` / ``join_transfer`` / ``joined``, counted by re-
 attempt). The same invariants hold; a replacement that finished the run must hold the
 survivors' parameters, and only a replacement killed after joining is a recorded loss.
 With ``--standbys N`` as well, the leader keeps N warm standbys, so the replacements (and
-the faults drawn for them) are standbys seated on the lost replicas.
+the faults drawn for them) are standbys seated on the lost replicas. A seat keeps the
+attempt number of the next attempt the survivors start, so a ``join_startup`` fault fires
+in every standby seated for it, like a node on which every replacement dies at start-up:
+after ``rejoin_attempts`` such deaths in a row the job falls back to cold spawns.
 
 With ``--hosts N`` (N >= 2, root: fake hosts in network namespaces,
 :mod:`lightning_recover.testing.fake_cluster`) every run goes onto up to N fake hosts
