@@ -10,8 +10,8 @@ hanging. (On several hosts the rule is off: ranks elsewhere may still be trainin
 It also ends ``mpiexec`` when the job's last world has finished but ``mpiexec`` still waits
 on ranks it cannot reach (a frozen or cut-off host), when the caller's stall watchdog fires
 (:data:`STALLED_STATUS`), and at a timeout; Ctrl-C and SIGTERM go to the whole job. No rank
-ever outlives the call, nor do the heartbeat directories its killed ranks leave on this
-host. What the job's status *means* is read from the ranks' markers afterwards
+ever outlives the call, nor do the heartbeat directories and Open MPI shared-memory segments
+its killed ranks leave on this host. What the job's status *means* is read from the ranks' markers afterwards
 (:mod:`lightning_recover.cli.job_status`).
 """
 
@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 from lightning_recover.runtime.watchdog import remove_launch_directories
 
@@ -82,6 +84,7 @@ def run_supervised(
     it cannot reach and never gives up on -- the job is ended and the status is 0 (the
     caller judges the job by the markers, :func:`lightning_recover.cli.job_status.final_words`).
     """
+    started = time.time()
     proc = subprocess.Popen(
         list(argv), env=dict(env) if env is not None else None, stdout=stdout, stderr=stderr, start_new_session=True
     )
@@ -168,5 +171,42 @@ def run_supervised(
             time.sleep(0.05)
         if proc.poll() is not None:
             remove_launch_directories(proc.pid)
+            remove_orphaned_segments(started)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def remove_orphaned_segments(since: float, base: Path = Path("/dev/shm")) -> list[Path]:
+    """Remove Open MPI's shared-memory segments of this host and user (``sm_segment.<host>.<uid>.*``)
+    created since ``since`` that no process maps any more; returns them.
+
+    A process that ends normally unlinks its segment; 339 segments of killed processes had
+    piled up in this machine's /dev/shm over a day of fault runs (16 MiB each, sparse). A
+    segment still mapped belongs to a live process, possibly of another job on this host, and
+    stays; so does one made before the launch."""
+    segments = [p for p in base.glob(f"sm_segment.{socket.gethostname()}.{os.getuid()}.*") if _mtime(p) >= since - 1.0]
+    if not segments:
+        return []
+    mapped: set[str] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text(errors="replace")
+        except OSError:
+            continue  # ended meanwhile, or not ours to read (its segments are not ours either)
+        mapped.update(line.split(None, 5)[5] for line in text.splitlines() if "sm_segment." in line and len(line.split(None, 5)) == 6)
+    removed = []
+    for path in segments:
+        if str(path) not in mapped:
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass  # removed meanwhile
+    return removed
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0

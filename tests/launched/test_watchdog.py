@@ -107,3 +107,25 @@ def test_the_launcher_removes_the_heartbeat_directories_its_killed_ranks_left(tm
         (d / "2.json").write_text("{}")
     assert sorted(remove_launch_directories(4242, base=tmp_path)) == sorted(ours)
     assert [d.exists() for d in ours + others] == [False, False, True, True, True]
+
+
+def test_the_launcher_removes_the_shared_memory_segments_nobody_maps(tmp_path: Path) -> None:
+    """Open MPI's segment of a SIGKILLed rank stays in /dev/shm: after mpiexec exited the launcher
+    removes this host's and user's segments made during the launch that no process maps, and
+    keeps a mapped one (a live process, maybe of another job), an older one and other users'."""
+    import mmap
+    import socket
+
+    from lightning_recover.cli.runner import remove_orphaned_segments
+
+    prefix = f"sm_segment.{socket.gethostname()}.{os.getuid()}"
+    orphan, mapped, old = tmp_path / f"{prefix}.1a2b0000.0", tmp_path / f"{prefix}.1a2b0000.1", tmp_path / f"{prefix}.99990000.0"
+    other_user = tmp_path / f"sm_segment.{socket.gethostname()}.{os.getuid() + 1}.1a2b0000.0"
+    for path in (orphan, mapped, old, other_user):
+        path.write_bytes(b"\0" * 4096)
+    since = time.time() - 0.5
+    os.utime(old, (since - 60, since - 60))
+    with open(mapped, "r+b") as f, mmap.mmap(f.fileno(), 4096) as view:
+        assert view[0] == 0
+        assert remove_orphaned_segments(since, base=tmp_path) == [orphan]
+    assert [p.exists() for p in (orphan, mapped, old, other_user)] == [False, True, True, True]
