@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from harness.mpirun import assert_reference_run, joins_by_replica, ledger_lines, train_worker
+from harness.mpirun import MPIJob, assert_reference_run, joins_by_replica, ledger_lines, train_worker
 
 pytestmark = pytest.mark.mpi
 
@@ -146,6 +146,16 @@ def _line_index(err: str, pattern: str) -> int:
     return found
 
 
+def _assert_replica_1_came_back(job: MPIJob, argv: list[str], steps: int, hit: list[int]) -> None:
+    """The job finished on the reference run with all 4 replicas; one standby was hit; replica 1 joined once."""
+    assert job.returncode == 0, job.describe()
+    assert len(hit) == 1, hit
+    results = assert_reference_run(job, argv, 4)
+    assert all(r["alive"] == [0, 1, 2, 3] and r["global_step"] == steps for r in results.values()), results
+    joins = joins_by_replica(ledger_lines(job))
+    assert [j["ok"] for j in joins[1]] == [True], joins
+
+
 def test_the_first_step_waits_for_the_standbys_and_one_killed_while_importing_is_replaced(tmp_path: Path) -> None:
     """4 replicas, 1 standby. The standby is SIGKILLed while it imports torch, while the first
     step waits for it: the leader counts it lost, spawns another, and training starts only
@@ -155,12 +165,9 @@ def test_the_first_step_waits_for_the_standbys_and_one_killed_while_importing_is
     hit: list[int] = []
     beats_before = set(Path("/dev/shm").glob("lightning-recover-*"))
     job = train_worker(4, tmp_path, argv, [kill(3, 1)], timeout=300, during=_signal_first_standby(tmp_path, signal.SIGKILL, hit))
-    assert job.returncode == 0, job.describe()
+    _assert_replica_1_came_back(job, argv, 30, hit)
     # The killed rank's heartbeat directory did not outlive the job (the launcher removed it).
     assert set(Path("/dev/shm").glob("lightning-recover-*")) <= beats_before
-    assert len(hit) == 1, hit
-    results = assert_reference_run(job, argv, 4)
-    assert all(r["alive"] == [0, 1, 2, 3] and r["global_step"] == 30 for r in results.values()), results
     err = job.stderr
     lost = _line_index(err, r"standby 1 lost: a standby process died")
     ready = _line_index(err, r"1 warm standby\(s\) ready [\d.]+ s into the job's set-up; training starts")
@@ -170,8 +177,6 @@ def test_the_first_step_waits_for_the_standbys_and_one_killed_while_importing_is
     # The replacement came from a standby that was warm before the loss.
     line = err.splitlines()[_line_index(err, r"replacement for rank 1 .* starts its first step")]
     assert "standby waiting for a loss" in line, line
-    joins = joins_by_replica(ledger_lines(job))
-    assert [j["ok"] for j in joins[1]] == [True], joins
 
 
 def test_a_standby_stopped_while_importing_delays_the_first_step_at_most_the_wait_and_is_given_up(tmp_path: Path) -> None:
@@ -184,15 +189,10 @@ def test_a_standby_stopped_while_importing_delays_the_first_step_at_most_the_wai
     hit: list[int] = []
     job = train_worker(4, tmp_path, argv, [kill(3, 1)], timeout=300, hang_timeout=0,
                        during=_signal_first_standby(tmp_path, signal.SIGSTOP, hit))
-    assert job.returncode == 0, job.describe()
-    assert len(hit) == 1, hit
-    results = assert_reference_run(job, argv, 4)
-    assert all(r["alive"] == [0, 1, 2, 3] and r["global_step"] == 90 for r in results.values()), results
+    _assert_replica_1_came_back(job, argv, 90, hit)
     err = job.stderr
     waited = _line_index(err, r"1 standby\(s\) not warm after 5 s \(recover.rejoin_standbys_wait_s\): training starts")
     given_up = _line_index(err, r"standby 1 lost: not warm 20 s after its spawn \(recover.rejoin_timeout_s\)")
     assert waited < given_up < _line_index(err, r"standby 2 takes the seat of replica 1"), job.describe()
     assert f"killing standby (pid {hit[0]}): standby 1: not warm 20 s" in err, job.describe()
     assert not Path(f"/proc/{hit[0]}").exists(), f"the stopped standby {hit[0]} outlived the job"
-    joins = joins_by_replica(ledger_lines(job))
-    assert [j["ok"] for j in joins[1]] == [True], joins
