@@ -336,6 +336,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         lifecycle.die_on_sigterm()
+        _lightning.skip_sigterm_broadcast(self.lightning_module.trainer)  # type: ignore[union-attr]
 
     @override
     def on_validation_start(self) -> None:

@@ -201,10 +201,12 @@ class TrainingSteps:
         assert self.data is not None and job.comm is not None
         self.data.planner.advance(record["step"])
         self.last_record = record
+        leader = strategy.global_rank == 0
         if job.ledger is not None:
-            job.ledger.record(record, is_leader=strategy.global_rank == 0)
+            job.ledger.record(record, is_leader=leader)
         self._logging.log_committed(
-            record, live_replicas=len(job.comm.alive_replicas), world_epoch=job.comm.world_epoch, faults=strategy.faults_seen
+            record, live_replicas=len(job.comm.alive_replicas), world_epoch=job.comm.world_epoch, faults=strategy.faults_seen,
+            is_leader=leader,
         )
 
     @contextmanager

@@ -20,6 +20,7 @@ def _instances(tmp: Path) -> dict[str, object]:
                         enable_model_summary=False, default_root_dir=str(tmp))
     return {
         "Trainer": trainer,
+        "_TrainingEpochLoop": trainer.fit_loop.epoch_loop,
         "LightningModule": L.LightningModule(),
         "CSVLogger": CSVLogger(str(tmp)),
         "ExperimentWriter": ExperimentWriter(str(tmp / "w")),
@@ -38,12 +39,20 @@ def test_each_private_member_exists(member: str, tmp_path: Path) -> None:
     )
 
 
-def test_the_wrappers_reach_what_they_name(tmp_path: Path) -> None:
+def test_the_wrappers_reach_what_they_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     trainer = _instances(tmp_path)["Trainer"]
     _lightning.no_distributed_sampler(trainer)
     assert trainer._accelerator_connector.use_distributed_sampler is False  # type: ignore[attr-defined]
     _lightning.hand_over_checkpoint(trainer, {"state": 1})
     assert trainer._checkpoint_connector._loaded_checkpoint == {"state": 1}  # type: ignore[attr-defined]
+    called: list[object] = []
+    monkeypatch.setattr(torch.distributed, "broadcast", lambda *a, **k: called.append(a))
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert called, "the unpatched loop broadcasts (else this test proves nothing)"
+    called.clear()
+    _lightning.skip_sigterm_broadcast(trainer)
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert not called
     module = L.LightningModule()
     _lightning.set_device_mesh(module, "mesh")
     assert module.device_mesh == "mesh"

@@ -126,12 +126,12 @@ def test_progress_hooks_tick_per_layer_in_forward_and_backward_and_change_nothin
 
     x, y = (torch.stack(t) for t in zip(*(data[i] for i in range(2))))
 
-    def grads(hooked: bool) -> tuple[list[torch.Tensor], int, int]:
+    def grads(hooked: bool, spacing_s: float = 0.0) -> tuple[list[torch.Tensor], int, int]:
         torch.manual_seed(0)
         model = GPT(**SIZES["tiny"], dropout=0.0)
         ticks = [0]
         if hooked:
-            install_progress_hooks(model, lambda: ticks.__setitem__(0, ticks[0] + 1))
+            install_progress_hooks(model, lambda: ticks.__setitem__(0, ticks[0] + 1), grad_spacing_s=spacing_s)
         loss = model.training_step((x, y), 0)
         in_forward = ticks[0]
         loss.backward()
@@ -143,6 +143,11 @@ def test_progress_hooks_tick_per_layer_in_forward_and_backward_and_change_nothin
     assert forward_ticks >= 4 * layers  # several per block (norms, attention, MLP), not one per microbatch
     assert backward_ticks >= 2 * layers  # and again as gradients flow back through them
     for a, b in zip(plain, hooked):
+        assert torch.equal(a, b)
+    # Outputs closer than the spacing in forward time get no gradient tick: the first output only, here.
+    spaced, spaced_forward_ticks, spaced_backward_ticks = grads(True, spacing_s=3600.0)
+    assert spaced_forward_ticks == forward_ticks and spaced_backward_ticks == 1
+    for a, b in zip(plain, spaced):
         assert torch.equal(a, b)
 
 
