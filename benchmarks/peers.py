@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "on the dead group is held this long whatever the heartbeat says")
     p.add_argument("--standbys", type=int, default=2,
                    help="recover-rejoin: recover.rejoin_standbys, warm standbys kept ahead of the kills (0 = cold spawns)")
+    p.add_argument("--data-plane", default="mpi", choices=["mpi", "gloo"],
+                   help="recover*: recover.data_plane, what carries the cross-replica gradient buckets")
     p.add_argument("--cr-every", type=int, default=10, help="cr: checkpoint every N steps")
     p.add_argument("--timeout", type=float, default=900, help="hard limit per system run, seconds")
     p.add_argument("--quiet-wait", type=float, default=5.0,
@@ -242,7 +244,8 @@ def run_recover(args: argparse.Namespace, name: str, outdir: Path, *, rejoin: bo
                 indices: Callable[[int], list[int]], standbys: int = 0) -> Run:
     outdir.mkdir(parents=True, exist_ok=True)
     job = [sys.executable, str(JOB), "--system", "recover", "--shards", "1", "--grad-accum", str(args.grad_accum),
-           "--mbs", str(args.mbs), "--steps", str(args.steps), "--size", args.size, "--out", str(outdir)]
+           "--mbs", str(args.mbs), "--steps", str(args.steps), "--size", args.size, "--out", str(outdir),
+           "--data-plane", getattr(args, "data_plane", "mpi")]
     if rejoin:
         job += ["--rejoin", "--rejoin-standbys", str(standbys)]
     cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(REPLICAS), "--", *job]
