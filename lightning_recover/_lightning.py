@@ -49,7 +49,7 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "_TrainingEpochLoop._broadcast_sigterm_tensor": (
         "skip_sigterm_broadcast; strategies/recover_hsdp.py", "Lightning broadcasts a SIGTERM flag over the default "
         "group before every batch, and no option turns it off; under this strategy a SIGTERM ends the rank at once "
-        "(lifecycle.die_on_sigterm), so the flag is always 0 and the broadcast (~5 % of a tiny model's step) buys nothing"),
+        "(lifecycle.die_on_sigterm), so the flag is always 0 and the broadcast (5.5 % of a profiled rank's main thread) buys nothing"),
     "ExperimentWriter._check_log_dir_exists": (
         "loggers.py (override)", "it deletes an existing metrics.csv with no option to keep it; a new leader must keep it"),
 }

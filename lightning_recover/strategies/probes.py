@@ -26,7 +26,7 @@ from lightning_recover.runtime.watchdog import HangWatchdog
 
 
 #: Forward time between two outputs whose gradient ticks too. A tensor hook costs more than the
-#: tick (~2 % of a tiny model's step on every output); a layer's backward takes about as long
+#: tick (on every output, 2 % of a profiled rank's main thread); a layer's backward takes about as long
 #: as its forward, so backward still ticks every few milliseconds, far inside the stuck rule's
 #: seconds.
 GRAD_TICK_SPACING_S = 1e-3

@@ -97,8 +97,8 @@ class StepLogging:
 
         Only the leader calls ``self.log`` (what ``rank_zero_only=True`` asks of the caller):
         a call costs about 0.4 ms of Lightning's bookkeeping, and the four of them on every
-        rank were ~6 % of a tiny model's step on an oversubscribed host, for values no other
-        rank shows or writes."""
+        rank took a sixth of a rank's main-thread samples in a profiled tiny-model step
+        (docs/benchmarks.md), for values no other rank shows or writes."""
         lm = self._module()
         if lm is not None and is_leader:
             lm.log("step_loss", record["loss"], prog_bar=True, on_step=True, rank_zero_only=True)
