@@ -90,17 +90,15 @@ class StepLogging:
         with _lightning.logging_as_training_step(module, first):
             yield
 
-    def log_committed(
-        self, record: dict[str, Any], *, live_replicas: int, world_epoch: int, faults: int, is_leader: bool
-    ) -> None:
-        """The committed step's values, on the progress bar and to the loggers: the leader's only.
+    def log_committed(self, record: dict[str, Any], *, live_replicas: int, world_epoch: int, faults: int) -> None:
+        """The committed step's values, on the progress bar and to the leader's loggers.
 
-        Only the leader calls ``self.log`` (what ``rank_zero_only=True`` asks of the caller):
-        a call costs about 0.4 ms of Lightning's bookkeeping, and the four of them on every
-        rank took a sixth of a rank's main-thread samples in a profiled tiny-model step
-        (docs/benchmarks.md), for values no other rank shows or writes."""
+        Every rank logs them, although only the leader's reach a logger: each rank keeps a
+        copy of what the leader logs (:class:`~lightning_recover.callbacks.loggers.LeaderLogs`),
+        so that a leader killed after a commit and before its log call leaves that step's row
+        to its successor (``tests/launched/test_leader_logs_mpi.py``)."""
         lm = self._module()
-        if lm is not None and is_leader:
+        if lm is not None:
             lm.log("step_loss", record["loss"], prog_bar=True, on_step=True, rank_zero_only=True)
             lm.log("live_replicas", float(live_replicas), prog_bar=True, on_step=True, rank_zero_only=True)
             lm.log("world_epoch", float(world_epoch), prog_bar=True, on_step=True, rank_zero_only=True)

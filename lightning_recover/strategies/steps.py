@@ -201,12 +201,10 @@ class TrainingSteps:
         assert self.data is not None and job.comm is not None
         self.data.planner.advance(record["step"])
         self.last_record = record
-        leader = strategy.global_rank == 0
         if job.ledger is not None:
-            job.ledger.record(record, is_leader=leader)
+            job.ledger.record(record, is_leader=strategy.global_rank == 0)
         self._logging.log_committed(
-            record, live_replicas=len(job.comm.alive_replicas), world_epoch=job.comm.world_epoch, faults=strategy.faults_seen,
-            is_leader=leader,
+            record, live_replicas=len(job.comm.alive_replicas), world_epoch=job.comm.world_epoch, faults=strategy.faults_seen
         )
 
     @contextmanager

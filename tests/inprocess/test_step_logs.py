@@ -64,21 +64,3 @@ def test_ranks_logging_different_keys_are_told_which() -> None:
         step_values.check_header(reduced, keys)
     step_values.check_header(step_values.header(1.0, 1.0, keys) * 2, keys)  # the same keys: no error
 
-
-def test_only_the_leader_logs_the_committed_steps_values() -> None:
-    from lightning_recover.strategies.step_logging import StepLogging
-
-    class Module:
-        def __init__(self) -> None:
-            self.logged: list[tuple[str, float]] = []
-
-        def log(self, name: str, value: float, **kwargs: object) -> None:
-            assert kwargs.get("rank_zero_only") is True and kwargs.get("prog_bar") is True
-            self.logged.append((name, value))
-
-    module = Module()
-    logging = StepLogging(lambda: module)  # type: ignore[arg-type,return-value]
-    logging.log_committed({"loss": 2.5}, live_replicas=3, world_epoch=1, faults=2, is_leader=False)
-    assert module.logged == []  # rank_zero_only values: another rank's call would only cost time
-    logging.log_committed({"loss": 2.5}, live_replicas=3, world_epoch=1, faults=2, is_leader=True)
-    assert module.logged == [("step_loss", 2.5), ("live_replicas", 3.0), ("world_epoch", 1.0), ("faults", 2.0)]
