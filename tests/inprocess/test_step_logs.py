@@ -63,4 +63,3 @@ def test_ranks_logging_different_keys_are_told_which() -> None:
     with pytest.raises(step_values.LoggedKeysMismatch, match=r"training_step\.a"):
         step_values.check_header(reduced, keys)
     step_values.check_header(step_values.header(1.0, 1.0, keys) * 2, keys)  # the same keys: no error
-
