@@ -134,6 +134,7 @@ from lightning_recover.testing.chaos import (  # noqa: E402
     read_attempts,
     draw_host_run,
     draw_run,
+    last_relaunch_idle,
     summary,
     supervisor_lines,
 )
@@ -490,10 +491,8 @@ def execute_on_hosts(
             out.idle_relaunches += 1
     ledger = ledgers[-1]
     last = set(ledger[-1]["replicas"]) if ledger else set()
-    # A last relaunch that found every step committed (the same race as above, in the last
-    # attempt) trained nothing: its ranks only restored the final checkpoint, so they are not
-    # held to the last world, which an earlier attempt formed; they must agree with each other.
-    idle_final = out.relaunches > 0 and len(ledger) == len(ledgers[-2]) == run.steps
+    # The same race in the last attempt: its ranks must still agree with each other (below).
+    idle_final = last_relaunch_idle([len(lg) for lg in ledgers], run.steps)
     if idle_final:
         out.idle_relaunches += 1
 

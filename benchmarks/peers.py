@@ -245,7 +245,7 @@ def run_recover(args: argparse.Namespace, name: str, outdir: Path, *, rejoin: bo
     outdir.mkdir(parents=True, exist_ok=True)
     job = [sys.executable, str(JOB), "--system", "recover", "--shards", "1", "--grad-accum", str(args.grad_accum),
            "--mbs", str(args.mbs), "--steps", str(args.steps), "--size", args.size, "--out", str(outdir),
-           "--data-plane", getattr(args, "data_plane", "mpi")]
+           "--data-plane", args.data_plane]
     if rejoin:
         job += ["--rejoin", "--rejoin-standbys", str(standbys)]
     cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(REPLICAS), "--", *job]

@@ -104,7 +104,7 @@ def size_row(ours: list[list[float]], peer: list[list[float]]) -> dict:
 def peers_args(args: argparse.Namespace, size: str) -> argparse.Namespace:
     """The namespace peers.py's run functions read, for one size (no kills: fault-free)."""
     return argparse.Namespace(steps=args.steps, size=size, mbs=args.mbs, grad_accum=args.grad_accum,
-                              timeout=args.timeout, kill_plan=[])
+                              timeout=args.timeout, kill_plan=[], data_plane="mpi")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -364,6 +364,17 @@ def read_attempts(outdir: Path) -> list[Attempt]:
     return found
 
 
+def last_relaunch_idle(ledger_lengths: list[int], steps: int) -> bool:
+    """Whether the last attempt of a supervised run was a relaunch that found every step committed.
+
+    ``ledger_lengths``: the lines of each attempt's ledger as it left it (the last one's is
+    the live file, an earlier one's the copy the supervisor kept). Such a relaunch trained
+    nothing -- mpiexec's abort lost the race with the survivors' last step -- so its ranks
+    restored the final checkpoint and are not held to the last world, which an earlier
+    attempt formed."""
+    return len(ledger_lengths) > 1 and ledger_lengths[-1] == ledger_lengths[-2] == steps
+
+
 def supervisor_lines(log_text: str) -> list[str]:
     """The supervisor's own lines in a launcher log (each relaunch's reason and cost)."""
     return [line for line in log_text.splitlines() if "[lightning-recover] supervise:" in line]

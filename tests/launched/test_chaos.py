@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.testing.chaos import HOST_FAULT_KINDS, JOIN_PHASES, PHASES, ChaosRun, Prediction, draw_host_run, draw_run, predict
+from lightning_recover.testing.chaos import (
+    HOST_FAULT_KINDS, JOIN_PHASES, PHASES, ChaosRun, Prediction, draw_host_run, draw_run, last_relaunch_idle, predict,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -174,3 +176,12 @@ def test_short_campaign_on_fake_hosts_has_no_violation(tmp_path: Path) -> None:
     assert "went on in place" in runs[0], runs
     assert "relaunched x1 (the host's daemon lost" in runs[1] or "went on in place" in runs[1], runs
     assert int(table["corruption checks (all ranks)"]) > 0 and table["sdc false positives"] == "0", table
+
+
+def test_a_last_relaunch_that_found_every_step_committed_is_idle() -> None:
+    # Seen in CI: the first attempt committed all 3 steps before mpiexec's abort; the relaunch added none.
+    assert last_relaunch_idle([3, 3], steps=3)
+    assert not last_relaunch_idle([3], steps=3)  # no relaunch
+    assert not last_relaunch_idle([1, 3], steps=3)  # the relaunch trained the rest: held to the last world
+    assert not last_relaunch_idle([2, 2], steps=3)  # an unfinished job is not idle, whatever it did
+    assert last_relaunch_idle([1, 3, 3], steps=3)
