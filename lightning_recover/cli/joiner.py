@@ -71,7 +71,7 @@ from typing import Any, NoReturn
 from lightning_recover.membership import handshake, milestones
 from lightning_recover.membership.admission_timer import disarm, is_admitted, leave_after
 from lightning_recover.membership.seat import Joining, Seat, _set_joining
-from lightning_recover.runtime import lifecycle
+from lightning_recover.runtime import lifecycle, priority
 
 
 #: Seconds past the timeout after which the kernel ends a replacement the timer thread could not.
@@ -154,46 +154,6 @@ def installed_imports(script: str) -> list[str]:
     return out
 
 
-#: The niceness a standby imports at on an oversubscribed host (CFS gives it ~1/10 of a busy rank's share).
-STANDBY_NICE = 10
-
-
-def yield_while_warming() -> Callable[[], None]:
-    """Lower this process's CPU priority for a standby's warm-up; returns what restores it.
-
-    Only when the priority can be restored (root, or an ``RLIMIT_NICE`` that allows it):
-    a seated standby becomes a training rank, and one stuck at a low priority would be
-    every step's straggler. Otherwise nothing changes. Linux keeps a niceness per thread:
-    threads started during the warm-up inherit it, so the restore covers every thread."""
-    import resource
-
-    try:
-        base = os.getpriority(os.PRIO_PROCESS, 0)
-        soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
-    except (OSError, AttributeError, ValueError):
-        return lambda: None
-    can_restore = os.geteuid() == 0 or (soft != resource.RLIM_INFINITY and 20 - soft <= base) or soft == resource.RLIM_INFINITY
-    if not can_restore:
-        return lambda: None
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, min(19, base + STANDBY_NICE))
-    except OSError:
-        return lambda: None
-
-    def restore() -> None:
-        try:
-            tids = [int(t) for t in os.listdir("/proc/self/task")]
-        except OSError:
-            tids = [0]
-        for tid in tids:
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, base)
-            except OSError:
-                pass  # a thread that ended meanwhile
-
-    return restore
-
-
 def _leader_alive(spec: dict[str, object]) -> Callable[[], bool]:
     """Whether the leader that spawned this standby still runs (checked by pid on its host; elsewhere
     an MPI error on the link tells)."""
@@ -211,13 +171,15 @@ def standby(spec_json: str, script_argv: list[str]) -> None:
         milestones._marks["spawned"] = float(spec["spawned_at"])
     except (ValueError, KeyError, TypeError):
         raise SystemExit(f"lightning_recover.cli.joiner --standby: {spec_json!r} is not the leader's JSON spec") from None
+    timeout_s = float(spec.get("timeout_s", 120.0))
     # Bounded until the leader has heard that it is warm: a standby whose leader ended meanwhile
     # (training finished while it started) must not wait in MPI's start-up or a send forever.
-    leave_after(float(spec.get("timeout_s", 120.0)), f"standby {spec.get('number')}")
+    leave_after(timeout_s, f"standby {spec.get('number')}")
     link = _merge_with_parent("lightning_recover.cli.joiner --standby runs only as a spawned standby")
     alive = _leader_alive(spec)
     handshake.leader_alive = alive
-    restore = yield_while_warming() if spec.get("yield_cpu") else (lambda: None)
+    # A quarter of its time to be warm at idle priority leaves the rest for the fallback's share.
+    restore = priority.yield_while_warming(timeout_s / 4) if spec.get("yield_cpu") else (lambda: None)
     _warm_up(script_argv[0])
     milestones.mark("warm")
     if not handshake.tell_leader(link, handshake.TAG_WARM):

@@ -10,7 +10,8 @@ spawned ahead of any loss, each one replica's processes::
              the next one only once the others are warm) and Merges them into a *link*
              (leader rank 0). They run ``python -m lightning_recover.cli.joiner --standby``:
              say hello (pid) on the link, import the strategy and the installed packages the
-             script imports at its top level (nothing of the user's own code), say WARM, and
+             script imports at its top level (nothing of the user's own code; during training
+             at idle priority, :mod:`lightning_recover.runtime.priority`), say WARM, and
              sleep, looking at the link every
              :data:`~lightning_recover.membership.handshake.STANDBY_POLL_S` (no core taken).
     SEAT     a replica is lost: at the next boundary the leader sends a warm standby the
@@ -57,7 +58,7 @@ import numpy as np
 
 from lightning_recover.membership.handshake import TAG_CONNECT, TAG_HELLO, TAG_SEAT, TAG_WARM, host_checksum
 from lightning_recover.membership.seat import Seat
-from lightning_recover.runtime import lifecycle
+from lightning_recover.runtime import lifecycle, priority
 
 if TYPE_CHECKING:
     from lightning_recover.comm.communicator import FaultTolerantComm
@@ -95,6 +96,8 @@ class Standby:
     replica: int | None = None
     #: Link ranks whose script reached admission and asked to be merged (TAG_CONNECT).
     connecting: set[int] = field(default_factory=set)
+    #: Whether the leader gave its warm-up full priority (a loss found no standby warm).
+    promoted: bool = False
 
     def alive_on_this_host(self) -> bool:
         """False when a process of it that said hello on this host is gone (SIGKILL, exit)."""
@@ -170,6 +173,7 @@ class WarmStandbys:
                 continue
             idle = next((sb for sb in self.pool if len(sb.warm) == self.shards), None)
             if idle is None:
+                self._promote_warming()
                 break
             self._seat(idle, r)
         started = 0
@@ -234,7 +238,7 @@ class WarmStandbys:
         from lightning_recover.comm import mpi_wait
 
         # On a host whose cores the job's ranks already share, a standby spawned during training
-        # would take cores from it: it yields them (see joiner.yield_while_warming). One spawned
+        # would take cores from it: it yields them (lightning_recover.runtime.priority). One spawned
         # while the job sets up races the job's first loss instead, at full priority.
         spec = {"number": sb.number, "leader_pid": os.getpid(), "leader_start": start, "leader_host": host_checksum(),
                 "spawned_at": sb.spawned_at, "yield_cpu": mpi_wait.polite() and self._training, "timeout_s": self.timeout_s}
@@ -258,6 +262,19 @@ class WarmStandbys:
         sb.thread = threading.Thread(target=spawn, name=f"lightning-recover-standby-{sb.number}", daemon=True)
         self.pool.append(sb)
         sb.thread.start()
+
+    def _promote_warming(self) -> None:
+        """A replica is missing and no standby is warm: the ones still importing behind the training
+        ranks (at idle priority) are needed now, so those on this host get their full share."""
+        host = host_checksum()
+        for sb in self.pool:
+            if sb.promoted or len(sb.warm) == self.shards or len(sb.procs) < self.shards:
+                continue  # one that has not said hello yet is promoted at a later boundary
+            sb.promoted = True
+            for pid, start, where in sb.procs.values():
+                if where == host and lifecycle.process_start_time(pid) == str(start) and priority.promote(pid):
+                    print(f"[lightning-recover] standby {sb.number} (pid {pid}) is needed before it is warm: "
+                          "its imports get their full share of the cores", file=sys.stderr, flush=True)
 
     def _poll_standby(self, sb: Standby) -> None:
         """Read what a standby said (hello, warm, connect) without blocking; a dead one gets ``error``."""

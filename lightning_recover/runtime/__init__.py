@@ -4,6 +4,7 @@
   slurm      what the environment tells of Slurm; refusing a direct srun start
   lifecycle  a rank's start and end: crash hook, replica-consistency gate, markers, SIGTERM
   watchdog   hang detection: heartbeats, same-host kill of stopped or stuck ranks
+  priority   a warm standby's CPU priority: idle while it imports beside training, promoted when needed
 
 Below the communicator: it leaves through :mod:`lightning_recover.runtime.lifecycle`'s exits,
 and this layer never imports the communicator, nor the launch side it talks to through markers.

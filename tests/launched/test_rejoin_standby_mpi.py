@@ -82,6 +82,26 @@ def test_two_losses_close_together_are_both_served_by_standbys(tmp_path: Path) -
     assert all(r["B"] == 8 for r in records)
 
 
+def test_a_loss_during_the_pools_refill_promotes_the_standby_still_importing(tmp_path: Path) -> None:
+    """4 replicas, 1 standby: replica 1 is lost at step 3 and its standby seated, so the leader
+    refills the pool with a standby that imports at idle priority beside the training ranks;
+    replica 3 is lost at step 6, seconds before that standby can be warm. The leader gives
+    its imports their full share (the user is told), it takes replica 3's seat, and the run
+    is the reference's."""
+    argv = ["--steps", "40", "--rejoin", "--rejoin-standbys", "1", "--slow-while-degraded", "0.5"]
+    job = train_worker(4, tmp_path, argv, [kill(3, 1), kill(6, 3)], timeout=360)
+    assert job.returncode == 0, job.describe()
+    results = assert_reference_run(job, argv, 4)
+    assert all(r["alive"] == [0, 1, 2, 3] and r["global_step"] == 40 for r in results.values()), results
+    err = job.stderr
+    assert "standby 1 takes the seat of replica 1" in err, job.describe()
+    assert re.search(r"standby 2 \(pid \d+\) is needed before it is warm", err), job.describe()
+    assert "standby 2 takes the seat of replica 3" in err, job.describe()
+    assert "spawning" not in err, job.describe()  # no cold spawn: the promoted standby served
+    joins = joins_by_replica(ledger_lines(job))
+    assert [j["ok"] for j in joins[1]] == [True] and [j["ok"] for j in joins[3]] == [True], joins
+
+
 def test_the_leaders_death_orphans_its_standby_which_leaves_and_the_new_leader_brings_replica_0_back(tmp_path: Path) -> None:
     """4 replicas, 1 standby: rank 0 -- the leader, whose link the standby hangs on -- is SIGKILLed
     in step 3. Its standby leaves by itself (its leader is gone), the new leader (rank 1) spawns
