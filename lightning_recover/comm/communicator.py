@@ -69,6 +69,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
+import numpy as np
+
 from lightning_recover.audit.fence import WorldFence
 from lightning_recover.comm import mpi_wait, netaddr, quorum
 from lightning_recover.comm.collectives import Collectives
@@ -439,7 +441,14 @@ class FaultTolerantComm(Collectives):
         MPI = mpi()
         try:
             with self._bound.within(f"the agreement at world epoch {self.world_epoch}"):
-                return bool(self.world.Agree(int(bool(flag))))
+                if not mpi_wait.polite():
+                    return bool(self.world.Agree(int(bool(flag))))
+                # Waited politely like the step's reductions (every member makes the same choice:
+                # mpi_wait). The blocking one polls TCP peers rarely: once a spawned replacement
+                # joined (TCP, not shared memory) it took 4-8 ms here, Iagree 0.4 ms.
+                buf = np.array([int(bool(flag))], dtype=np.intc)
+                mpi_wait.wait(self.world.Iagree(buf))
+                return bool(buf[0])
         except MPI.Exception as exc:
             if exc.Get_error_class() not in failure_classes():
                 raise
