@@ -32,7 +32,8 @@ PRIVATE: dict[str, tuple[str, str]] = {
     "Trainer._results": (
         "fit_results; strategies/step_logs.py", "the logged values of a step: no public API exposes per-call values"),
     "Trainer._logger_connector": (
-        "logging_as_training_step", "a later microbatch of a step is a later batch of the epoch (its _first_loop_iter)"),
+        "logging_as_training_step, loggers_write_this_step", "a later microbatch of a step is a later batch of the epoch "
+        "(its _first_loop_iter); whether this step's values reach the loggers (its should_update_logs)"),
     "LightningModule._current_fx_name": (
         "logging_as_training_step", "values logged by every microbatch file under training_step, as with accumulate_grad_batches"),
     "CSVLogger._experiment": (
@@ -95,6 +96,12 @@ def logging_as_training_step(module: Any, first: bool) -> Iterator[None]:
         yield
     finally:
         module._current_fx_name = previous
+
+
+def loggers_write_this_step(trainer: Any) -> bool:
+    """Whether Lightning hands this training step's logged values to the loggers (``log_every_n_steps``,
+    the run stopping, ``fast_dev_run``): the condition its ``update_train_step_metrics`` applies."""
+    return bool(trainer._logger_connector.should_update_logs or trainer.fast_dev_run)
 
 
 def after_closure(precision_plugin: Any, model: Any, optimizer: Any) -> None:
