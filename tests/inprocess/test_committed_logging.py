@@ -1,7 +1,7 @@
 """The committed step's values through Lightning's logging (StepLogging.log_committed): the membership
 values are logged only when they changed or reach a logger, and every reader sees what logging
 them at every step would show -- the CSV rows, ``trainer.callback_metrics``, the progress bar's
-metrics -- across a change of membership and a second fit."""
+metrics -- across a loss, a re-join and a new fit."""
 
 from __future__ import annotations
 
