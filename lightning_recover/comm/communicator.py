@@ -135,11 +135,11 @@ class FaultTolerantComm(Collectives):
         self._ids = tuple(range(base.Get_size()))
         self.shard_comm = self._split_shard(self.world)
         self.alive_replicas = tuple(range(layout.replicas))
-        rows = self.world.allgather((_this_process(), mpi_wait.local_choice()))
-        self._procs = {r: proc for r, (proc, _) in enumerate(rows)}
+        rows = self.world.allgather((_this_process(), mpi_wait.local_choice(), mpi_wait.reach()))
+        self._procs = {r: proc for r, (proc, _, _) in enumerate(rows)}
         # The first rank's process names this launch: unique, and known to every rank.
         self.job_id = ":".join(str(part) for part in rows[0][0])
-        mpi_wait.agree(polite for _, polite in rows)
+        mpi_wait.agree((polite for _, polite, _ in rows), (reach for *_, reach in rows))
         self._open_plane()
 
     def _setup(self, layout: RankLayout, rank: int, bucket_bytes: int, data_plane: str, plane_timeout_s: float) -> None:
@@ -223,12 +223,12 @@ class FaultTolerantComm(Collectives):
             arrived = self.agree(arrived)
         if not arrived or merged is None:
             return False
-        rows: list[tuple[int, int, tuple[str, int, str | None], bool, str]] = []
+        rows: list[tuple[int, int, tuple[str, int, str | None], bool, str, str]] = []
         shard = None
         ok = 1
         try:
             # A survivor offers the world's wait, a joiner its own: all adopt the same (mpi_wait).
-            rows = merged.allgather((self.rank, self.world_epoch, _this_process(), mpi_wait.polite(), self.job_id))
+            rows = merged.allgather((self.rank, self.world_epoch, _this_process(), mpi_wait.polite(), self.job_id, mpi_wait.reach()))
             shard = merged.Split(self.shard, self.replica)
         except MPI.Exception:
             ok = 0
@@ -244,8 +244,8 @@ class FaultTolerantComm(Collectives):
         self.world, self.shard_comm = merged, shard
         self._base_group = merged.Get_group()
         self._ids = tuple(r for r, *_ in rows)
-        self._procs.update({r: proc for r, _, proc, _, _ in rows})
-        mpi_wait.agree(polite for _, _, _, polite, _ in rows)
+        self._procs.update({r: proc for r, _, proc, *_ in rows})
+        mpi_wait.agree((polite for _, _, _, polite, *_ in rows), (reach for *_, reach in rows))
         self.world_epoch = max(e for _, e, *_ in rows) + 1
         self.job_id = rows[0][4]  # a survivor's: the joiners come after them
         self.alive_replicas = tuple(self.layout.complete_replicas(self._ids))

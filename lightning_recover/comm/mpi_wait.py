@@ -11,8 +11,15 @@ gives nothing to a peer queued on another core.
 
 So on an oversubscribed host the collectives on the step's path are issued non-blocking
 and waited for by :func:`wait`: a short burst of tests (a peer already there completes in
-microseconds), then sleeps doubling from 20 us to 0.5 ms, the most a wait can add once
-the last peer has arrived. Failure semantics are those of the blocking call: under
+microseconds), then sleeps doubling from 20 us to a cap. Over shared memory a message is in
+its receiver's queue when the send returns, so the cap (0.5 ms) is about the most a wait
+adds once the last peer arrived. Over TCP -- a member of another MPI job (a spawned
+replacement, whose traffic Open MPI never carries over shared memory) or another host --
+every hop of a collective waits until its receiver's next test reads the socket, and a
+collective of several hops pays a pause per hop: with 2 of 4 ranks spawned an 8-float
+all-reduce took 3.0 ms at a 0.5 ms cap, 0.85 ms at 0.05 ms, against 0.08 ms in one job
+(``benchmarks/mixed_world.py``). So the world's cap is 0.1 ms once any two members are
+not of one host and one job (:func:`reach`). Failure semantics are those of the blocking call: under
 ``MPI_ERRORS_RETURN`` a test raises ``MPI.Exception`` when a peer died or the
 communicator was revoked. With a core per rank (or another launcher) the callers use the
 blocking call.
@@ -21,8 +28,9 @@ Every member of a communicator must wait the same way: MPI never matches a block
 collective with a non-blocking one, so a rank spinning in ``MPI_Allreduce`` next to one in
 ``MPI_Iallreduce`` deadlocks. The choice is therefore the world's, not the rank's: when a
 world forms (job start, every re-join) the communicator gathers each member's
-:func:`local_choice` and every member adopts :func:`agree` of them (polite if any member's
-host is oversubscribed); :func:`polite` returns that, read at every call.
+:func:`local_choice` and :func:`reach` and every member adopts :func:`agree` of them (polite
+if any member's host is oversubscribed; the TCP cap if the members' reaches differ);
+:func:`polite` and :func:`max_pause` return that, read at every call.
 
 ``LIGHTNING_RECOVER_MPI_WAIT=spin`` (or ``sleep``) overrides the local choice, for benchmarks.
 """
@@ -30,16 +38,19 @@ host is oversubscribed); :func:`polite` returns that, read at every call.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["agree", "local_choice", "oversubscribed", "polite", "wait"]
+__all__ = ["agree", "local_choice", "max_pause", "oversubscribed", "polite", "reach", "wait"]
 
-#: Tests before the first sleep, and the sleep's bounds (it doubles after each test).
+#: Tests before the first sleep, and the sleep's bounds (it doubles after each test): the cap
+#: of a world on shared memory, and of one with a member reached over TCP.
 SPIN_TESTS = 50
 MIN_PAUSE_S = 2e-5
 MAX_PAUSE_S = 5e-4
+MAX_PAUSE_TCP_S = 1e-4
 
 
 def oversubscribed() -> bool:
@@ -53,8 +64,9 @@ def oversubscribed() -> bool:
     return local.isdigit() and int(local) > (os.cpu_count() or 1)
 
 
-#: The world's choice (:func:`agree`); None until this process joined a world.
+#: The world's choice and cap (:func:`agree`); None and the shared-memory cap until this process joined a world.
 _agreed: bool | None = None
+_max_pause: float = MAX_PAUSE_S
 
 
 def local_choice() -> bool:
@@ -67,11 +79,24 @@ def local_choice() -> bool:
     return choice == "sleep" or (choice == "auto" and oversubscribed())
 
 
-def agree(choices: Iterable[bool]) -> bool:
-    """Adopt the world's choice from every member's :func:`local_choice` (each member calls it with the same list)."""
-    global _agreed
+def reach() -> str:
+    """Whom this process shares memory with: its host and its MPI job (PMIx namespace; a spawn has its own)."""
+    return f"{socket.gethostname()}/{os.environ.get('PMIX_NAMESPACE', '')}"
+
+
+def agree(choices: Iterable[bool], reaches: Iterable[str] = ()) -> bool:
+    """Adopt the world's wait from every member's :func:`local_choice` and :func:`reach` (each
+    member calls it with the same lists): polite if any member would be, and the TCP cap on the
+    sleeps if the members are not all of one host and one job."""
+    global _agreed, _max_pause
     _agreed = any(choices)
+    _max_pause = MAX_PAUSE_S if len(set(reaches)) <= 1 else MAX_PAUSE_TCP_S
     return _agreed
+
+
+def max_pause() -> float:
+    """The longest sleep of :func:`wait` in this world (see the module docstring)."""
+    return _max_pause
 
 
 def polite() -> bool:
@@ -86,4 +111,4 @@ def wait(request: Any) -> None:
         tests += 1
         if tests > SPIN_TESTS:
             time.sleep(pause)
-            pause = min(MAX_PAUSE_S, max(MIN_PAUSE_S, 2 * pause))
+            pause = min(_max_pause, max(MIN_PAUSE_S, 2 * pause))

@@ -1,4 +1,4 @@
-"""How step collectives wait (lightning_recover.comm.mpi_wait): the oversubscription rule, the override, the loop."""
+"""How step collectives wait (lightning_recover.comm.mpi_wait): the oversubscription rule, the override, the TCP cap, the loop."""
 
 from __future__ import annotations
 
@@ -40,6 +40,30 @@ def test_the_world_waits_one_way_polite_if_any_member_would(monkeypatch: pytest.
     assert not mpi_wait.agree(iter([False, False])) and not mpi_wait.polite()
 
 
+def test_the_sleeps_cap_drops_once_a_member_is_reached_over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A spawned replacement is another MPI job (its own PMIx namespace): Open MPI reaches it over
+    # TCP, where every hop of a collective waits for its receiver's next test.
+    monkeypatch.setattr(mpi_wait, "_agreed", None)
+    monkeypatch.setattr(mpi_wait, "_max_pause", mpi_wait.MAX_PAUSE_S)
+    monkeypatch.setenv("PMIX_NAMESPACE", "prterun-host-1@1")
+    job = mpi_wait.reach()
+    assert job.endswith("/prterun-host-1@1")
+    monkeypatch.setenv("PMIX_NAMESPACE", "prterun-host-1@2")
+    spawned = mpi_wait.reach()
+    mpi_wait.agree([True] * 4, [job] * 4)
+    assert mpi_wait.max_pause() == mpi_wait.MAX_PAUSE_S  # one job, one host: shared memory
+    mpi_wait.agree([True] * 4, iter([job, job, spawned, spawned]))
+    assert mpi_wait.max_pause() == mpi_wait.MAX_PAUSE_TCP_S < mpi_wait.MAX_PAUSE_S
+    pauses: list[float] = []
+    monkeypatch.setattr(mpi_wait.time, "sleep", pauses.append)
+    mpi_wait.wait(Request(mpi_wait.SPIN_TESTS + 30))
+    assert max(pauses) == mpi_wait.MAX_PAUSE_TCP_S
+    mpi_wait.agree([True, True], ["other-host/prterun-host-1@1", job])  # another host: TCP as well
+    assert mpi_wait.max_pause() == mpi_wait.MAX_PAUSE_TCP_S
+    mpi_wait.agree([True, True], [job, job])  # the spawned members left: shared memory again
+    assert mpi_wait.max_pause() == mpi_wait.MAX_PAUSE_S
+
+
 class Request:
     """An MPI request stand-in that completes (or fails) at its n-th test."""
 
@@ -54,6 +78,7 @@ class Request:
 
 
 def test_wait_tests_until_done_and_sleeps_with_bounded_pauses(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mpi_wait, "_max_pause", mpi_wait.MAX_PAUSE_S)
     pauses: list[float] = []
     monkeypatch.setattr(mpi_wait.time, "sleep", pauses.append)
     req = Request(mpi_wait.SPIN_TESTS + 20)
