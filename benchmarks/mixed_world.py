@@ -47,14 +47,19 @@ def rank_main(role: str, out: Path, iters: int, cap: float) -> None:
 
     me = [sys.executable, str(Path(__file__).resolve())]
     args = ["--rank", "--out", str(out), "--iters", str(iters), "--cap", repr(cap)]
+    info = MPI.Info.Create()
+    info.Set("map_by", ":OVERSUBSCRIBE")  # as the recruiter spawns: the launch's slots are taken
+    info.Set("bind_to", "none")
+
+    def spawn(comm: MPI.Intracomm, role: str) -> MPI.Intracomm:
+        return comm.Spawn(me[0], args=[me[1], "--role", role, *args], maxprocs=1, info=info).Merge(high=False)
+
     if role == "one":
         world = MPI.COMM_WORLD
     elif role == "orig":
-        first = MPI.COMM_WORLD.Spawn(me[0], args=[me[1], "--role", "spawn1", *args], maxprocs=1).Merge(high=False)
-        world = first.Spawn(me[0], args=[me[1], "--role", "spawn2", *args], maxprocs=1).Merge(high=False)
+        world = spawn(spawn(MPI.COMM_WORLD, "spawn1"), "spawn2")
     elif role == "spawn1":
-        first = MPI.Comm.Get_parent().Merge(high=True)
-        world = first.Spawn(me[0], args=[me[1], "--role", "spawn2", *args], maxprocs=1).Merge(high=False)
+        world = spawn(MPI.Comm.Get_parent().Merge(high=True), "spawn2")
     else:
         world = MPI.Comm.Get_parent().Merge(high=True)
     rows = world.allgather(mpi_wait.reach())
@@ -73,7 +78,8 @@ def rank_main(role: str, out: Path, iters: int, cap: float) -> None:
                 mpi_wait.wait(world.Iagree(flag))
             else:
                 buf = header if kind == "header" else bucket
-                mpi_wait.wait(world.Iallreduce(buf, np.empty_like(buf)))
+                into = np.empty_like(buf)  # held until the wait returns: MPI writes into it meanwhile
+                mpi_wait.wait(world.Iallreduce(buf, into))
             times.append(time.perf_counter() - t0)
         medians[kind] = statistics.median(times)
     rows = world.gather({"medians": medians, "reaches": len(set(rows)), "picked_cap": picked}, root=0)
