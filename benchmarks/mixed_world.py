@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proctree import ProcessTree, become_subreaper  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "mixed_world.json"
 KINDS = ("header", "bucket", "agree")
 
 
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=150, help="rounds of each collective per launch")
     p.add_argument("--timeout", type=float, default=180, help="hard limit per launch, seconds")
+    p.add_argument("--results", type=Path, default=RESULTS, help="where the measurements are written (JSON)")
     p.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--role", default="one", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -131,14 +133,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"4 ranks on {os.cpu_count()} cores, polite waits, median per rank of {args.iters} rounds (ms; max over ranks)")
     print(f"{'world':15s} {'cap':>7s} {'picked':>7s} " + " ".join(f"{k:>7s}" for k in KINDS) + f" {'sum':>7s}")
     sums: dict[tuple[str, float], float] = {}
+    table: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="lr-mixed-") as tmp:
         for i, (name, n, role, cap) in enumerate(runs):
             rows = launch(n, role, Path(tmp) / str(i), args.iters, cap, args.timeout)
             worst = {k: max(r["medians"][k] for r in rows) for k in KINDS}
             sums[(name, cap)] = sum(worst.values())
+            table.append({"world": name, "cap_s": cap, "picked_cap_s": rows[0]["picked_cap"], "worst_median_s": worst,
+                          "per_rank": rows})
             print(f"{name:15s} {cap * 1e3:>5.2f}ms {rows[0]['picked_cap'] * 1e3:>5.2f}ms "
                   + " ".join(f"{worst[k] * 1e3:>7.2f}" for k in KINDS) + f" {sums[(name, cap)] * 1e3:>7.2f}", flush=True)
     mixed_sm, mixed_tcp = sums[("2 + 2 spawned", mpi_wait.MAX_PAUSE_S)], sums[("2 + 2 spawned", mpi_wait.MAX_PAUSE_TCP_S)]
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps({"benchmark": "mixed_world", "iters": args.iters, "cores": os.cpu_count(),
+                                        "runs": table, "ratio": mixed_sm / mixed_tcp}, indent=1))
+    print(f"wrote {args.results}")
     print(f"2 + 2 spawned, step collectives at the shared-memory cap / at the TCP cap: {mixed_sm / mixed_tcp:.2f}x "
           f"({mixed_sm * 1e3:.2f} / {mixed_tcp * 1e3:.2f} ms; one job {sums[('one job', mpi_wait.MAX_PAUSE_S)] * 1e3:.2f} ms)")
     return 0

@@ -17,9 +17,10 @@ adds once the last peer arrived. Over TCP -- a member of another MPI job (a spaw
 replacement, whose traffic Open MPI never carries over shared memory) or another host --
 every hop of a collective waits until its receiver's next test reads the socket, and a
 collective of several hops pays a pause per hop: with 2 of 4 ranks spawned an 8-float
-all-reduce took 3.0 ms at a 0.5 ms cap, 0.85 ms at 0.05 ms, against 0.08 ms in one job
+all-reduce took 3.2 ms at a 0.5 ms cap, 1.0 ms at 0.1 ms, against 0.1 ms in one job
 (``benchmarks/mixed_world.py``). So the world's cap is 0.1 ms once any two members are
-not of one host and one job (:func:`reach`). Failure semantics are those of the blocking call: under
+not of one host and one job (:func:`reach`); a repair keeps the cap of the world it shrinks.
+Failure semantics are those of the blocking call: under
 ``MPI_ERRORS_RETURN`` a test raises ``MPI.Exception`` when a peer died or the
 communicator was revoked. With a core per rank (or another launcher) the callers use the
 blocking call.

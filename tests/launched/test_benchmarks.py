@@ -225,15 +225,18 @@ def test_step_cost_quick_runs_and_prints_the_headline_last(tmp_path: Path, capsy
 
 
 @pytest.mark.mpi
-def test_mixed_world_spawns_two_replacements_and_their_world_picks_the_tcp_cap(capsys: pytest.CaptureFixture[str]) -> None:
+def test_mixed_world_spawns_two_replacements_and_their_world_picks_the_tcp_cap(tmp_path: Path,
+                                                                               capsys: pytest.CaptureFixture[str]) -> None:
     """``mixed_world.py``: one job keeps the shared-memory cap; 2 ranks + 2 spawned ones (three MPI jobs,
     as after two re-joins) pick the TCP cap from their members' PMIx namespaces. Timings are not asserted."""
     import mixed_world  # benchmarks/mixed_world.py
     from lightning_recover.comm import mpi_wait
 
-    assert mixed_world.main(["--iters", "10"]) == 0
+    assert mixed_world.main(["--iters", "10", "--results", str(tmp_path / "m.json")]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     rows = [line.split() for line in lines if line.startswith(("one job", "2 + 2 spawned "))]
     assert [(r[0], r[-5]) for r in rows] == [("one", f"{mpi_wait.MAX_PAUSE_S * 1e3:.2f}ms")] + [
         ("2", f"{mpi_wait.MAX_PAUSE_TCP_S * 1e3:.2f}ms")] * 2, lines
     assert lines[-1].startswith("2 + 2 spawned, step collectives at the shared-memory cap / at the TCP cap: ")
+    assert [r["picked_cap_s"] for r in json.loads((tmp_path / "m.json").read_text())["runs"]] == [
+        mpi_wait.MAX_PAUSE_S, mpi_wait.MAX_PAUSE_TCP_S, mpi_wait.MAX_PAUSE_TCP_S]
