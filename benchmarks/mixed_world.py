@@ -97,7 +97,9 @@ def launch(n: int, role: str, out: Path, iters: int, cap: float, timeout: float)
            str(Path(__file__).resolve()), "--rank", "--role", role, "--out", str(out), "--iters", str(iters),
            "--cap", repr(cap)]
     env = launch_env()
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
+    # Polite on any host, as on an oversubscribed one (the launch's own environment only).
+    env.update({"OMP_NUM_THREADS": "1", "LIGHTNING_RECOVER_MPI_WAIT": "sleep",
+                "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
     with open(out / "job.log", "wb") as sink, ProcessTree(cmd, f"mixed_world {role}", cwd=ROOT, env=env, stdout=sink,
                                                          stderr=subprocess.STDOUT) as tree:
         tree.wait(timeout)
@@ -127,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     from lightning_recover.comm import mpi_wait
 
     become_subreaper()
-    os.environ["LIGHTNING_RECOVER_MPI_WAIT"] = "sleep"  # polite on any host, as on an oversubscribed one
     runs = [("one job", 4, "one", mpi_wait.MAX_PAUSE_S), ("2 + 2 spawned", 2, "orig", mpi_wait.MAX_PAUSE_S),
             ("2 + 2 spawned", 2, "orig", mpi_wait.MAX_PAUSE_TCP_S)]
     print(f"4 ranks on {os.cpu_count()} cores, polite waits, median per rank of {args.iters} rounds (ms; max over ranks)")
