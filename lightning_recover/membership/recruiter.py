@@ -440,15 +440,20 @@ class Recruiter(WarmStandbys):
         interrupts the replacements' wait for the decision by itself. Such a drop
         (``repaired``) is the survivors' own doing, not the replacements' failure: it is not
         counted against ``rejoin_attempts``, the next attempt starts at the next boundary
-        without backoff, and a standby's replacement keeps its seat (it asks to be merged
-        again, see :func:`~lightning_recover.membership.handshake.connect`)."""
+        without backoff, and a standby's replacement that was merged keeps its seat (it asks
+        to be merged again, see :func:`~lightning_recover.membership.handshake.connect`). One
+        not merged yet may be blocked in ``MPI_Comm_connect`` against an accept that never
+        completes (the survivors' world lost a member): it would never ask again, so it is
+        fenced like a cold replacement and the replica waits for another standby."""
         att, self.attempt = self.attempt, None
         if att is None:
             return
         self._end_attempt_port(att)
         if repaired:
-            if att.standby is not None and att.standby.error is None:
-                att.standby.connecting.clear()  # it keeps its seat, and asks again
+            keeps_seat = att.standby is not None and att.standby.error is None and att.merged is not None
+            if keeps_seat:
+                assert att.standby is not None
+                att.standby.connecting.clear()  # it asks again
             else:
                 self._fence(att, f"dropped ({reason})")
                 if att.standby is not None:
@@ -456,7 +461,9 @@ class Recruiter(WarmStandbys):
             self._next_try = time.monotonic()
             if self.comm.is_leader:
                 print(f"[lightning-recover] re-join attempt {att.number} dropped: {reason}; next attempt at the next "
-                      f"step boundary" + (" (the standby keeps its seat)" if att.standby is not None else ""),
+                      f"step boundary" + (" (the standby keeps its seat)" if keeps_seat else
+                                          " (the standby was not merged yet: ended, another one takes the seat)"
+                                          if att.standby is not None else ""),
                       file=sys.stderr, flush=True)
             return
         if notify:
