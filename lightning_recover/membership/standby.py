@@ -27,8 +27,9 @@ spawned ahead of any loss, each one replica's processes::
 Why the merge waits for the script: a standby's merged communicator is made from the
 survivors' world *after* its script set up, so a loss among the survivors during the
 script costs nothing; a loss during the short merge-and-admit window drops the attempt as
-usual (a repair), but a standby's replacement keeps its seat and sends CONNECT again (its
-timer restarts). ``MPI_Intercomm_create`` between the link and the world would need no port,
+usual (a repair), but a standby's replacement that was merged keeps its seat and sends
+CONNECT again (its timer restarts); one not merged yet may be blocked in its Connect for
+good, so the leader ends it and seats another (``Recruiter.drop``). ``MPI_Intercomm_create`` between the link and the world would need no port,
 but it crashed Open MPI 5.0.11's ``coll/han`` on the merged communicator here;
 Accept/Connect exchanges what ``han`` needs. A standby whose leader dies leaves by itself
 (an MPI error on the link, or the leader's pid gone from this host); the new leader spawns
