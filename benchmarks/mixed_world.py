@@ -89,7 +89,8 @@ def rank_main(role: str, out: Path, iters: int, cap: float) -> None:
     world.Barrier()
 
 
-def launch(n: int, role: str, out: Path, iters: int, cap: float, timeout: float) -> list[dict]:
+def launch(n: int, role: str, out: Path, iters: int, cap: float, timeout: float) -> tuple[list[dict], list[str]]:
+    """One launch of ``n`` ranks in ``role``; its per-rank results and what ProcessTree had to end."""
     from lightning_recover.cli.mpiexec import launch_env
 
     out.mkdir(parents=True, exist_ok=True)
@@ -104,13 +105,11 @@ def launch(n: int, role: str, out: Path, iters: int, cap: float, timeout: float)
                                                          stderr=subprocess.STDOUT) as tree:
         tree.wait(timeout)
         leftovers = tree.end()
-    log = (out / "job.log").read_text(errors="replace")
-    for line in leftovers:
-        print(f"  [cleanup] {line}", flush=True)
+    log = (out / "job.log").read_text(errors="replace")  # ProcessTree.end() printed any leftovers it ended
     result = out / "result.json"
     if not result.exists():
         raise RuntimeError(f"the {role} launch wrote no result; its log ends:\n{log[-2000:]}")
-    return json.loads(result.read_text())
+    return json.loads(result.read_text()), leftovers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,11 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     table: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="lr-mixed-") as tmp:
         for i, (name, n, role, cap) in enumerate(runs):
-            rows = launch(n, role, Path(tmp) / str(i), args.iters, cap, args.timeout)
+            rows, leftovers = launch(n, role, Path(tmp) / str(i), args.iters, cap, args.timeout)
             worst = {k: max(r["medians"][k] for r in rows) for k in KINDS}
             sums[(name, cap)] = sum(worst.values())
             table.append({"world": name, "cap_s": cap, "picked_cap_s": rows[0]["picked_cap"], "worst_median_s": worst,
-                          "per_rank": rows})
+                          "per_rank": rows, "leftovers": leftovers})
             print(f"{name:15s} {cap * 1e3:>5.2f}ms {rows[0]['picked_cap'] * 1e3:>5.2f}ms "
                   + " ".join(f"{worst[k] * 1e3:>7.2f}" for k in KINDS) + f" {sums[(name, cap)] * 1e3:>7.2f}", flush=True)
     mixed_sm, mixed_tcp = sums[("2 + 2 spawned", mpi_wait.MAX_PAUSE_S)], sums[("2 + 2 spawned", mpi_wait.MAX_PAUSE_TCP_S)]
