@@ -11,7 +11,9 @@ The hot re-join phases count ``step`` as the re-join attempt (1-based) instead:
 ``join_startup`` fires in a replacement before it says it is ready, ``join_ready`` right
 after (before it waits for the survivors' decision), ``join_transfer`` in
 the donor before it sends the live state and in a replacement before it receives it, and
-``joined`` in a replacement at the start of its first step. ``collective`` and
+``joined`` in a replacement at the start of its first step, and ``join_accept`` in a
+survivor just before the survivors accept a seated standby (the attempt's merge; a death
+here leaves the standby connecting to an accept that never completes). ``collective`` and
 ``collective_done`` fire in this rank's ``microbatch``-th call (0-based, counted within
 step ``step``) over ``strategy.replica_group`` (:mod:`lightning_recover.comm.process_group`):
 before its MPI calls (its peers are left waiting inside the collective), and after they
@@ -73,7 +75,7 @@ from lightning.pytorch.callbacks import Callback
 
 PHASES = (
     "forward", "backward", "reduce", "optimizer", "checkpoint", "validation", "test", "predict",
-    "join_startup", "join_ready", "join_transfer", "joined", "collective", "collective_done",
+    "join_startup", "join_ready", "join_transfer", "joined", "join_accept", "collective", "collective_done",
 )
 EVALUATION_PHASES = ("validation", "test", "predict")
 COLLECTIVE_PHASES = ("collective", "collective_done")

@@ -163,8 +163,11 @@ class Recruiter(WarmStandbys):
         context: Callable[[], dict[str, Any]] = dict,
         standbys: int = 0,
         shards: int = 1,
+        fault_point: Callable[[str, int], None] = lambda phase, attempt: None,
     ) -> None:
         self.comm = comm
+        #: Fault injection's points in the survivors' side of an attempt (phase, attempt number).
+        self.fault_point = fault_point
         self.hosts = hosts
         self.attempts = attempts
         self.backoff_s = backoff_s
@@ -344,6 +347,7 @@ class Recruiter(WarmStandbys):
             for r, proc in att.standby.procs.items():
                 att.procs[att.survivors + r - 1] = proc
 
+        self.fault_point("join_accept", att.number)
         self._merge_in_background(att, lambda: dup.Accept(att.port, root=0), "the standby's merge failed", "accept")
         if self.comm.is_leader:
             assert att.standby is not None

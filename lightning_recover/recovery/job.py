@@ -281,7 +281,12 @@ class RecoveryJob:
         return Recruiter(
             self.comm, hosts=c.rejoin_hosts, attempts=c.rejoin_attempts, backoff_s=c.rejoin_backoff_s,
             timeout_s=c.rejoin_timeout_s, context=context, standbys=c.rejoin_standbys, shards=c.shards,
+            fault_point=self._recruiter_fault_point,
         )
+
+    def _recruiter_fault_point(self, phase: str, attempt: int) -> None:
+        if self.probes is not None:
+            self.probes.fault_point(phase, step=attempt)
 
     def on_repair(self, res: RepairResult) -> None:
         """A repair moved leadership, perhaps to this rank: the host's gates follow; a re-join attempt is dropped."""

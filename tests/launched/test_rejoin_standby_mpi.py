@@ -216,3 +216,25 @@ def test_a_standby_stopped_while_importing_delays_the_first_step_at_most_the_wai
     assert waited < given_up < _line_index(err, r"standby 2 takes the seat of replica 1"), job.describe()
     assert f"killing standby (pid {hit[0]}): standby 1: not warm 20 s" in err, job.describe()
     assert not Path(f"/proc/{hit[0]}").exists(), f"the stopped standby {hit[0]} outlived the job"
+
+
+def test_a_survivor_lost_as_the_survivors_accept_a_standby_ends_that_standby_and_others_take_both_seats(tmp_path: Path) -> None:
+    """Two failures at once: rank 1 is SIGKILLed in step 3, standby 1 takes its seat, and rank 2
+    dies just before the survivors accept standby 1 (attempt 1), so standby 1 connects to an
+    accept its shrunk world never completes. The survivors' repair drops the attempt; standby 1,
+    not merged, is ended (kept seated, it waited in its connect for the rest of the run and
+    replica 1 never came back), and both lost replicas return from the other standby and the
+    pool's refill. The ledger stays exact."""
+    argv = ["--steps", "60", "--rejoin", "--rejoin-standbys", "2", "--slow-while-degraded", "0.5"]
+    accept = {"step": 1, "rank": 2, "phase": "join_accept", "kind": "kill"}
+    job = train_worker(4, tmp_path, argv, [kill(3, 1), accept], timeout=420)
+    assert job.returncode == 0, job.describe()
+    results = assert_reference_run(job, argv, 4)
+    assert sorted(results) == [0, 1, 2, 3], job.describe()
+    assert all(r["alive"] == [0, 1, 2, 3] for r in results.values()), job.describe()
+    err = job.stderr
+    assert "fault injection: kill rank 2 at step 1 join_accept" in err, job.describe()
+    assert "re-join attempt 1 dropped: the survivors' world was repaired" in err, job.describe()
+    assert "(the standby was not merged yet: ended, another one takes the seat)" in err, job.describe()
+    joins = joins_by_replica(ledger_lines(job))
+    assert joins[1][-1]["ok"] and joins[2][-1]["ok"], joins
