@@ -185,7 +185,15 @@ def test_no_slurm_is_an_error_naming_the_fix(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(slurm_cluster.os.path, "exists", lambda path: False)
     with pytest.raises(RuntimeError, match=r"slurmctld, slurmd, sbatch.*apt-get install -y slurmctld slurmd slurm-client"):
         LocalSlurm()
+    # Missing binaries are named first, whoever runs: installing them is the first fix.
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(RuntimeError, match="Slurm binaries not found"):
+        LocalSlurm()
     monkeypatch.undo()
+    # Binaries present (as in CI, or as if installed here), user not root: the root message.
+    monkeypatch.setattr(slurm_cluster.shutil, "which", lambda name: f"/usr/bin/{name}")
     monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 1000)
     with pytest.raises(RuntimeError, match="needs root.*uid is 1000"):
         LocalSlurm()
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 0)
+    assert slurm_cluster.missing_requirements() is None
