@@ -42,7 +42,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_recover.audit.ledger import LEDGER_FIELDS, read_ledger
+from lightning_recover.audit.ledger import read_ledger, required_fields
 
 __all__ = ["MAX_UNSYNCED_LINES", "LeaderLedger", "LedgerWriter"]
 
@@ -155,11 +155,12 @@ class LedgerWriter:
     def write(self, record: Mapping[str, Any]) -> None:
         if self._fd is None:
             raise ValueError(f"ledger writer for {self.path} is closed; open a new LedgerWriter")
-        missing = [k for k in LEDGER_FIELDS if k not in record]
+        fields = required_fields(record)
+        missing = [k for k in fields if k not in record]
         if missing:
             raise ValueError(
                 f"ledger record for step {record.get('step', '?')} is missing fields "
-                f"{missing}; every line needs all of {list(LEDGER_FIELDS)}"
+                f"{missing}; every line needs all of {list(fields)}"
             )
         try:
             line = json.dumps(dict(record), default=_to_json)
@@ -271,7 +272,7 @@ class LeaderLedger:
             self._writer = None
 
     def _written_steps(self) -> set[int]:
-        return {line["step"] for line in read_ledger(self.path)} if self.path.exists() else set()
+        return {line["step"] for line in read_ledger(self.path, raw=True)} if self.path.exists() else set()
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._guard is not None:
@@ -279,7 +280,7 @@ class LeaderLedger:
         if self._writer is None and self.resumed and not self._led:
             # An OS crash can leave the last lines torn; they lie after the checkpoint (see the
             # module docstring), so they are dropped with the other redone steps.
-            old = read_ledger(self.path, torn_tail=True) if self.path.exists() else []
+            old = read_ledger(self.path, torn_tail=True, raw=True) if self.path.exists() else []
             keep = [line for line in old if line["step"] < record["step"]]
             with LedgerWriter(self.path) as rewrite:
                 for line in keep:

@@ -348,7 +348,9 @@ class StepEngine:
         """After ``optimizer.step``: the policy commits; returns the step's ledger record and ends the step."""
         st = self._current()
         self.probes.set_computing(False)  # between steps nothing counts as stuck
-        record = self.policy.commit().as_dict()
+        commit = self.policy.commit()
+        record = commit.as_dict()
+        died = set(commit.died)
         record.update(
             loss=st.loss,
             world_epoch=self.comm.world_epoch,
@@ -362,7 +364,7 @@ class StepEngine:
             policy=self.policy.name,
             divisor=st.plan.divisor,
             # ok: the joiner is still there at the commit (one dead by then is also among the faults).
-            joins=[{**self._joins.get(r, Join(r)).as_dict(), "ok": r in record["replicas"]} for r in record["joined"]],
+            joins=[{**self._joins.get(r, Join(r)).as_dict(), "ok": r in commit.membership and r not in died} for r in commit.joined],
         )
         self._joins = {}
         self.state = None

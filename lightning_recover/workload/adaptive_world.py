@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from lightning_recover.workload.policy import WorkloadPolicy, _check_setting, _Slot
-from lightning_recover.workload.step_plan import CommitRecord, Role, StepPlan
+from lightning_recover.workload.policy import WorkloadPolicy, _check_setting
+from lightning_recover.workload.step_plan import CommitRecord, Membership, StepPlan, ranges_of
 
 __all__ = ["AdaptiveWorld"]
 
@@ -29,13 +29,12 @@ class AdaptiveWorld(WorkloadPolicy):
         super().__init__(W_init, G_init, W_init, min_replicas)
         self.G_cur = G_init
 
-    def _own(self, r: int) -> _Slot:
-        G = self.G_init
-        return _Slot(Role.MAJOR, tuple(range(r * G, (r + 1) * G)), True, None)
+    def _steady_membership(self) -> Membership:
+        # Fixed ownership: replica r holds [r*G, (r+1)*G) whatever else is live.
+        return Membership(B=self.B, G=self.G_init, veterans=self._live, n_major=len(self._live), fixed=True)
 
     def begin_step(self, step: int, alive: Collection[int]) -> StepPlan:
-        live = self._open(step, alive)
-        self._slots = {r: self._own(r) for r in live}
+        self._open(step, alive)
         return self._plan()
 
     def fail(self, lost: Collection[int]) -> StepPlan:
@@ -43,35 +42,11 @@ class AdaptiveWorld(WorkloadPolicy):
         return self._plan()
 
     def _plan(self) -> StepPlan:
-        assert self._step is not None
-        return StepPlan(
-            step=self._step,
-            B=self.B,
-            plans=self._frozen_plans(),
-            divisor=len(self._slots) * self.G_init,
-            G_cur=self.G_init,
-            G_ext=0,
-        )
+        return self._step_plan(divisor=len(self._live) * self.G_init, G_cur=self.G_init)
 
     def commit(self) -> CommitRecord:
-        step = self._require_open("commit")
-        plan = self._plan()
-        ids = plan.committed_ids
-        record = CommitRecord(
-            step=step,
-            B=self.B,
-            committed=len(ids),
-            microbatch_ids=tuple(step * self.B + i for i in ids),
-            replicas=plan.live,
-            roles={r: p.role.value for r, p in plan.plans.items()},
-            faults=tuple(self._faults),
-            extra_microbatches=0,
-            G_cur=self.G_init,
-            joined=tuple(sorted(self._joined)),
-        )
-        self._next_step = step + 1
-        self._step = None
-        self._slots = {}
-        self._faults = []
-        self._joined = set()
-        return record
+        self._require_open("commit")
+        G = self.G_init
+        # The live replicas' own blocks, as runs of consecutive replicas (O(runs), not O(W)).
+        ids = tuple((lo * G, hi * G) for lo, hi in ranges_of(self._live))
+        return self._record(ids, len(self._live) * G, 0, G)

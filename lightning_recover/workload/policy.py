@@ -35,14 +35,16 @@ replicas :class:`~lightning_recover.workload.step_plan.TooFewReplicasError`.
 from __future__ import annotations
 
 import abc
+import itertools
 import operator
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_recover.config import ConfigurationError
 from lightning_recover.workload.step_plan import (
     CommitRecord,
+    Membership,
     PolicyError,
     ReplicaPlan,
     Role,
@@ -53,39 +55,12 @@ from lightning_recover.workload.step_plan import (
 __all__ = ["WorkloadPolicy"]
 
 
-class _FrozenMap(Mapping[int, "ReplicaPlan"]):
-    """Read-only mapping that, unlike MappingProxyType, survives copy.deepcopy and pickle."""
-
-    __slots__ = ("_d",)
-
-    def __init__(self, d: dict[int, ReplicaPlan]) -> None:
-        self._d = d
-
-    def __getitem__(self, key: int) -> ReplicaPlan:
-        return self._d[key]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._d)
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-    def __repr__(self) -> str:
-        return repr(self._d)
-
-    def __getstate__(self) -> dict[int, ReplicaPlan]:
-        return self._d
-
-    def __setstate__(self, d: dict[int, ReplicaPlan]) -> None:
-        self._d = d
-
-
 @dataclass
 class _Slot:
-    """Mutable per-replica state while a step is open (frozen into ReplicaPlan on demand)."""
+    """A replica whose share a failure changed in the open step (frozen into ReplicaPlan on demand)."""
 
     role: Role
-    base: tuple[int, ...]  # steady-state ids (own, inherited by promotion, or shadowed)
+    base: Sequence[int]  # steady-state ids (own, inherited by promotion, or shadowed)
     contributes: bool
     shadows: int | None
     replay: list[int] = field(default_factory=list)
@@ -99,6 +74,10 @@ class _Slot:
             shadows=self.shadows,
             extra=tuple(sorted(self.replay)),
         )
+
+    @classmethod
+    def of(cls, plan: ReplicaPlan) -> _Slot:
+        return cls(plan.role, plan.ids, plan.contributes, plan.shadows)
 
 
 def _as_int(value: Any) -> int | None:
@@ -143,13 +122,25 @@ class WorkloadPolicy(abc.ABC):
         self.B = T * G_init
         self.min_replicas = min_replicas
         self._live: tuple[int, ...] = tuple(range(W_init))
+        # The last `alive` tuple begin_step accepted: the same object again means the same live
+        # set, so a steady step skips the O(W) validation (fail, join and load clear it).
+        self._alive_seen: tuple[int, ...] | None = None
         self._next_step = 0
         self._step: int | None = None
-        self._slots: dict[int, _Slot] = {}
+        # The open step: the membership it began with (built once per membership change),
+        # the members it lost, and the replicas whose share its failures changed.
+        self._membership: Membership | None = None
+        self._membership_since: int | None = None
+        # A loaded state's membership line (the step that defines it), while that membership holds.
+        self._since_hint: int | None = None
+        self._dead: set[int] = set()
+        self._changes: dict[int, _Slot] = {}
         self._faults: list[int] = []
         # Membership events between steps, recorded by the next step's commit.
         self._joined: set[int] = set()
         self._lost_between: set[int] = set()
+        # steady_ids' last answer: (the alive object asked for, its membership).
+        self._forecast: tuple[Sequence[int], Membership | None] | None = None
 
     # -- shared helpers -------------------------------------------------------------
 
@@ -166,6 +157,14 @@ class WorkloadPolicy(abc.ABC):
         return min_replicas
 
     def _replica_set(self, replicas: Iterable[int], what: str) -> set[int]:
+        try:
+            fast = set(replicas)
+        except TypeError:
+            fast = None
+        # Plain ints in range, checked at C speed (a live set of 100k replicas at a membership
+        # change); anything else (numpy ints, a bad index) takes the loop that names it.
+        if fast is not None and (not fast or ({*map(type, fast)} == {int} and min(fast) >= 0 and max(fast) < self.W_init)):
+            return fast
         out: set[int] = set()
         for r in replicas:
             idx = _as_int(r)
@@ -195,44 +194,128 @@ class WorkloadPolicy(abc.ABC):
             raise PolicyError(f"{call}() called with no step in progress; call begin_step() first")
         return self._step
 
-    def _open(self, step: int, alive: Collection[int]) -> list[int]:
+    def _open(self, step: int, alive: Collection[int]) -> bool:
+        """Open ``step`` for ``alive``; True when the live set is the previous step's (O(1) then)."""
         step = _check_int("step", step, 0, "pass the optimizer step index")
         if step < self._next_step:
             raise ValueError(
                 f"step {step} is already committed (next step is {self._next_step}); "
                 f"begin_step() must not go back in time"
             )
-        alive_set = self._replica_set(alive, f"begin_step({step})")
-        rejoined = alive_set - set(self._live)
-        if rejoined:
-            raise ValueError(
-                f"begin_step({step}): replica(s) {sorted(rejoined)} are not live "
-                f"(live: {list(self._live)}); a re-joining replica must be admitted with "
-                f"join() after the previous commit(), else drop it from alive"
-            )
-        self._check_enough(alive_set, f"begin_step({step})")
-        # Replicas found dead between steps are recorded as faults of the step that saw them;
-        # re-beginning an uncommitted step keeps the faults its aborted attempt saw.
+        # Re-beginning an uncommitted step keeps the faults its aborted attempt saw.
         carried = set(self._faults) if self._step is not None else set()
-        self._faults = sorted(carried | (set(self._live) - alive_set) | self._lost_between)
+        same = alive is self._alive_seen and not self._dead
+        if same:
+            self._faults = sorted(carried | self._lost_between)
+        else:
+            alive_set = self._replica_set(alive, f"begin_step({step})")
+            rejoined = alive_set - set(self._live)
+            if rejoined:
+                raise ValueError(
+                    f"begin_step({step}): replica(s) {sorted(rejoined)} are not live "
+                    f"(live: {list(self._live)}); a re-joining replica must be admitted with "
+                    f"join() after the previous commit(), else drop it from alive"
+                )
+            self._check_enough(alive_set, f"begin_step({step})")
+            # Replicas found dead between steps are recorded as faults of the step that saw them.
+            self._faults = sorted(carried | (set(self._live) - alive_set) | self._lost_between)
+            live = tuple(sorted(alive_set))
+            if live != self._live:
+                self._membership, self._since_hint = None, None
+            self._live = live
+            self._alive_seen = alive if isinstance(alive, tuple) else None
         self._lost_between = set()
-        self._live = tuple(sorted(alive_set))
         self._step = step
-        return list(self._live)
+        if self._dead:
+            self._membership = None  # an aborted attempt lost members: plan the survivors afresh
+        self._dead, self._changes = set(), {}
+        if self._membership is None:
+            # A resumed policy refers to the line that already holds its membership, as the
+            # run it resumes would: every rank writes the same ledger line.
+            self._membership, self._membership_since = self._steady_membership(), self._since_hint
+            self._since_hint = None
+        return same
 
-    def _lose(self, lost: Collection[int]) -> tuple[list[int], dict[int, _Slot]]:
-        """Remove newly lost replicas; repeated reports of a dead replica are ignored."""
+    @abc.abstractmethod
+    def _steady_membership(self) -> Membership:
+        """The steady plan of the live set (and the joiners of this boundary)."""
+
+    def _slot(self, r: int) -> _Slot:
+        """Replica ``r``'s share in the open step, as a slot a failure may change."""
+        found = self._changes.get(r)
+        if found is None:
+            assert self._membership is not None
+            found = self._changes[r] = _Slot.of(self._membership.plan_of(r))
+        return found
+
+    def _lose(self, lost: Collection[int]) -> list[int]:
+        """Mark newly lost members dead; repeated reports of a dead replica are ignored."""
         step = self._require_open("fail")
+        assert self._membership is not None
         lost_set = self._replica_set(lost, f"fail() in step {step}")
-        newly = sorted(lost_set & set(self._slots))
+        newly = sorted(r for r in lost_set if r not in self._dead and r in self._membership)
         if not newly:
-            return [], {}
-        survivors = [r for r in self._live if r not in lost_set]
+            return []
+        survivors = tuple(itertools.filterfalse(lost_set.__contains__, self._live))
         self._check_enough(survivors, f"step {step}: after losing {newly}")
-        dead = {r: self._slots.pop(r) for r in newly}
-        self._live = tuple(survivors)
+        self._dead.update(newly)
+        self._live = survivors
+        self._alive_seen = None
         self._faults = sorted({*self._faults, *newly})
-        return newly, dead
+        return newly
+
+    def _step_plan(self, divisor: int, G_cur: int) -> StepPlan:
+        """The open step's plan: its membership, the changed shares, the dead."""
+        assert self._step is not None and self._membership is not None
+        replayed = tuple(sorted(i for r, s in self._changes.items() if r not in self._dead for i in s.replay)) if self._changes else ()
+        W_cur = self._membership.n - len(self._dead)
+        changes = {r: s.freeze(r) for r, s in self._changes.items() if r not in self._dead}
+        return StepPlan(
+            step=self._step,
+            B=self.B,
+            membership=self._membership,
+            divisor=divisor,
+            G_cur=G_cur,
+            G_ext=-(-len(replayed) // W_cur) if replayed else 0,
+            replayed=replayed,
+            changes=changes,
+            dead=frozenset(self._dead),
+        )
+
+    def _record(self, id_ranges: Sequence[tuple[int, int]], committed: int, extra: int, G_cur: int) -> CommitRecord:
+        """Close the open step and return its record; the next step reuses the membership if nothing changed."""
+        step = self._require_open("commit")
+        m = self._membership
+        assert m is not None
+        if self._membership_since is None:
+            self._membership_since = step
+        role_changes = {}
+        for r, slot in self._changes.items():
+            if r not in self._dead and slot.role is not m.role_at(m.position(r)):  # type: ignore[arg-type]
+                role_changes[r] = slot.role
+        record = CommitRecord(
+            step=step,
+            B=self.B,
+            committed=committed,
+            id_ranges=tuple((step * self.B + lo, step * self.B + hi) for lo, hi in id_ranges),
+            membership=m,
+            membership_since=self._membership_since,
+            faults=tuple(self._faults),
+            extra_microbatches=extra,
+            G_cur=G_cur,
+            joined=tuple(sorted(self._joined)),
+            role_changes=role_changes,
+            died=tuple(sorted(self._dead)),
+        )
+        if self._dead or self._joined:
+            # The next step plans a new live set, or the joiners as veterans.
+            self._membership = None
+        self._next_step = step + 1
+        self._step = None
+        self._dead, self._changes = set(), {}
+        self._faults = []
+        self._joined = set()
+        return record
 
     def join(self, replicas: Collection[int], *, lost: Collection[int] = ()) -> tuple[int, ...]:
         """Admit ``replicas`` at a step boundary; returns the live replicas after the join.
@@ -261,6 +344,7 @@ class WorkloadPolicy(abc.ABC):
         live = (set(self._live) - gone) | new
         self._check_enough(live, f"join({sorted(new)}, lost={sorted(gone)})")
         self._live = tuple(sorted(live))
+        self._alive_seen, self._membership, self._since_hint = None, None, None
         self._lost_between |= gone
         self._joined |= new
         self._after_membership_change()
@@ -280,10 +364,6 @@ class WorkloadPolicy(abc.ABC):
         return self._live
 
     @property
-    def step_open(self) -> bool:
-        return self._step is not None
-
-    @property
     def next_step(self) -> int:
         return self._next_step
 
@@ -292,8 +372,32 @@ class WorkloadPolicy(abc.ABC):
         self._require_open("current_plan")
         return self._plan()
 
-    def _frozen_plans(self) -> Mapping[int, ReplicaPlan]:
-        return _FrozenMap({r: self._slots[r].freeze(r) for r in sorted(self._slots)})
+    def steady_ids(self, alive: Sequence[int], replica: int) -> tuple[int, ...]:
+        """The ids ``replica`` computes in a later step that begins with ``alive`` and no failure.
+
+        The data feed's forecast (it loads the next steps' samples ahead). A fresh policy's
+        answer: the joiners of this boundary are veterans by then. Kept per live set, so
+        asking again for the same ``alive`` object costs O(log W)."""
+        cached = self._forecast
+        if cached is None or cached[0] is not alive:
+            live = tuple(sorted(alive))
+            m = self._fresh_membership(live) if live else None
+            cached = self._forecast = (alive, m)
+        m = cached[1]
+        if m is None or replica not in m:
+            return ()
+        return m.plan_of(replica).ids
+
+    def _fresh_membership(self, live: tuple[int, ...]) -> Membership | None:
+        """The steady membership a fresh policy would plan for ``live`` (None if it cannot run)."""
+        saved = self._live, self._joined
+        try:
+            self._live, self._joined = live, set()
+            if len(live) < self.min_replicas:
+                return None
+            return self._steady_membership()
+        finally:
+            self._live, self._joined = saved
 
     def _common_state(self) -> dict[str, Any]:
         return {
@@ -309,6 +413,8 @@ class WorkloadPolicy(abc.ABC):
             # at the boundary of its join carries them, so its next record is everyone's).
             "joined": sorted(self._joined),
             "lost": sorted(self._lost_between),
+            # The ledger line holding the membership the next step reuses (None: it plans a new one).
+            "membership_since": self._membership_since if self._membership is not None else None,
         }
 
     def _load_common(self, d: Mapping[str, Any]) -> None:
@@ -330,7 +436,10 @@ class WorkloadPolicy(abc.ABC):
         self._live = tuple(sorted(live))
         self._next_step = _check_int("next_step", d["next_step"], 0, "the state is corrupt")
         self._step = None
-        self._slots = {}
+        self._alive_seen, self._membership, self._membership_since = None, None, None
+        since = d.get("membership_since")
+        self._since_hint = since if _as_int(since) is not None else None
+        self._dead, self._changes = set(), {}
         self._faults = []
         # Absent from checkpoints written before hot re-join existed: no pending events.
         self._joined = self._replica_set(d.get("joined", ()), "load_state_dict (joined)")

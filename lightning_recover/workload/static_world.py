@@ -22,13 +22,15 @@ replicas already live, so they are the spares when more than T are live).
 
 from __future__ import annotations
 
+import collections
 import heapq
-from collections.abc import Collection, Mapping
+import itertools
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 from lightning_recover.config import ConfigurationError
 from lightning_recover.workload.policy import WorkloadPolicy, _check_setting, _Slot
-from lightning_recover.workload.step_plan import CommitRecord, PolicyError, Role, StepPlan, TooFewReplicasError
+from lightning_recover.workload.step_plan import CommitRecord, Membership, PolicyError, Role, StepPlan, TooFewReplicasError
 
 __all__ = ["StaticWorld", "steady_quota"]
 
@@ -70,61 +72,60 @@ class StaticWorld(WorkloadPolicy):
         super().__init__(W_init, G_init, T, min_replicas)
         self.G_cur = steady_quota(self.B, W_init, G_init)
 
-    def _steady_slots(self, live: list[int]) -> tuple[int, dict[int, _Slot]]:
+    def _steady_membership(self) -> Membership:
         B, G_init = self.B, self.G_init
         # Replicas that were live before the boundary come first: a join never demotes them,
         # and with join_as_spare they alone carry the joiners' first step.
-        veterans = [r for r in live if r not in self._joined]
-        live = veterans + [r for r in live if r in self._joined]
-        carriers = len(veterans) if self.join_as_spare and veterans else len(live)
+        if self._joined:
+            veterans = tuple(r for r in self._live if r not in self._joined)
+            joiners = tuple(r for r in self._live if r in self._joined)
+        else:
+            veterans, joiners = self._live, ()
+        carriers = len(veterans) if self.join_as_spare and veterans else len(self._live)
         G = steady_quota(B, carriers, G_init)
         n_major, R = divmod(B, G)
-        slots: dict[int, _Slot] = {}
-        contributors: list[int] = []
-        for i, r in enumerate(live[:n_major]):
-            slots[r] = _Slot(Role.MAJOR, tuple(range(i * G, (i + 1) * G)), True, None)
-            contributors.append(r)
-        rest = live[n_major:]
-        if R > 0:
-            # W_cur * G >= B guarantees a replica is left for the remainder.
-            minor, rest = rest[0], rest[1:]
-            slots[minor] = _Slot(Role.MINOR, tuple(range(n_major * G, B)), True, None)
-            contributors.append(minor)
-        for j, r in enumerate(rest):
-            # Round-robin, majors first: the most expensive losses get shadows first.
-            target = contributors[j % len(contributors)]
-            tslot = slots[target]
-            role = Role.MAJOR_SPARE if tslot.role is Role.MAJOR else Role.MINOR_SPARE
-            slots[r] = _Slot(role, tslot.base, False, target)
-        return G, slots
+        # W_cur * G >= B guarantees a replica is left for the remainder.
+        return Membership(B=B, G=G, veterans=veterans, joiners=joiners, n_major=n_major, minor=R > 0)
 
     def begin_step(self, step: int, alive: Collection[int]) -> StepPlan:
-        live = self._open(step, alive)
-        self.G_cur, self._slots = self._steady_slots(live)
+        self._open(step, alive)
+        assert self._membership is not None
+        self.G_cur = self._membership.G
         return self._plan()
 
     def fail(self, lost: Collection[int]) -> StepPlan:
-        newly, dead = self._lose(lost)
+        dead_slots = {r: self._slot(r) for r in self._lose(lost)}
         pool: list[int] = []
-        for r in newly:
-            slot = dead[r]
+        for r, slot in dead_slots.items():
             if not slot.contributes:
                 continue  # a spare's shadow work is never needed by the sum
             # Replays held by the dead replica were never covered by anyone else.
             pool.extend(slot.replay)
-            heirs = sorted(
-                s for s, ss in self._slots.items() if not ss.contributes and ss.shadows == r
-            )
+            heirs = self._shadows_of(r)
             if heirs:
                 heir = heirs[0]
-                self._slots[heir] = _Slot(slot.role, slot.base, True, None)
+                self._changes[heir] = _Slot(slot.role, slot.base, True, None)
                 for s in heirs[1:]:
-                    self._slots[s].shadows = heir  # same ids, so their work stays valid
+                    self._slot(s).shadows = heir  # same ids, so their work stays valid
             else:
                 pool.extend(slot.base)
         if pool:
             self._replay(sorted(pool))
         return self._plan()
+
+    def _shadows_of(self, r: int) -> list[int]:
+        """The live spares shadowing ``r``, sorted: O(spares per contributor), not O(W)."""
+        m = self._membership
+        assert m is not None
+        found: set[int] = {s for s, slot in self._changes.items() if not slot.contributes and slot.shadows == r}
+        i = m.position(r)
+        if i is not None and i < m.n_contrib:
+            # Its steady shadows sit every n_contrib positions after the contributors.
+            for pos in range(m.n_contrib + i, m.n, m.n_contrib):
+                s = m.replica_at(pos)
+                if s not in self._changes:
+                    found.add(s)
+        return sorted(found - self._dead)
 
     def _replay(self, pool: list[int]) -> None:
         """Water-fill the lost ids over all survivors so replay counts differ by at most 1.
@@ -133,72 +134,83 @@ class StaticWorld(WorkloadPolicy):
         counts were balanced before, adding to the least loaded keeps them within
         {floor, ceil} of (total replayed / W_cur), which is the boundary step's G_ext.
         Among equals, contributors go first so spares keep shadowing as long as possible.
+
+        The fill takes replicas level by level: at level c, every survivor holding at most c
+        replays, contributors before spares, each by index. Only the few replicas a failure
+        changed hold replays, so a level costs what it hands out, not O(W).
         """
-        heap = [
-            (len(s.replay), not s.contributes, r) for r, s in self._slots.items()
-        ]
-        heapq.heapify(heap)
-        add = dict.fromkeys(self._slots, 0)
-        for _ in pool:
-            n, spare, r = heapq.heappop(heap)
-            add[r] += 1
-            heapq.heappush(heap, (n + 1, spare, r))
+        counts = {r: len(s.replay) for r, s in self._changes.items() if s.replay and r not in self._dead}
+        W_cur = len(self._live)
+        level = 0 if len(counts) < W_cur else min(counts.values())
+        add: dict[int, int] = {}
+        left = len(pool)
+        while left:
+            size = W_cur - sum(1 for c in counts.values() if c > level)
+            take = min(left, size)
+            for r in itertools.islice((r for r in self._fill_order() if counts.get(r, 0) <= level), take):
+                add[r] = add.get(r, 0) + 1
+            left -= take
+            level += 1
         i = 0
-        for r in sorted(self._slots):
+        for r in sorted(add):
             k = add[r]
-            if k == 0:
-                continue
-            slot = self._slots[r]
+            slot = self._slot(r)
             if not slot.contributes:
                 # A spare turned replayer drops its shadow: the caller discards that work.
                 slot.role, slot.base, slot.contributes, slot.shadows = Role.MINOR, (), True, None
             slot.replay.extend(pool[i : i + k])
             i += k
 
+    def _fill_order(self) -> Iterator[int]:
+        """The survivors, contributors first, each group by replica index (the fill's tie order)."""
+        m = self._membership
+        assert m is not None
+        changed_contrib = sorted(r for r, s in self._changes.items() if s.contributes and r not in self._dead)
+        changed_spare = sorted(r for r, s in self._changes.items() if not s.contributes and r not in self._dead)
+        steady_contrib = (r for r in m.contributors_sorted() if r not in self._changes and r not in self._dead)
+        steady_spare = (r for r in m.spares_sorted() if r not in self._changes and r not in self._dead)
+        yield from heapq.merge(steady_contrib, changed_contrib)
+        yield from heapq.merge(steady_spare, changed_spare)
+
     def _plan(self) -> StepPlan:
-        assert self._step is not None
-        replayed = tuple(sorted(i for s in self._slots.values() for i in s.replay))
-        W_cur = len(self._slots)
-        return StepPlan(
-            step=self._step,
-            B=self.B,
-            plans=self._frozen_plans(),
-            divisor=self.B,
-            G_cur=self.G_cur,
-            G_ext=-(-len(replayed) // W_cur) if replayed else 0,
-            replayed=replayed,
-        )
+        return self._step_plan(divisor=self.B, G_cur=self.G_cur)
 
     def commit(self) -> CommitRecord:
         step = self._require_open("commit")
-        plan = self._plan()
-        ids = plan.committed_ids
-        if ids != tuple(range(self.B)):
+        self._check_covered(step)
+        replayed = sum(len(s.replay) for r, s in self._changes.items() if r not in self._dead)
+        G_cur = steady_quota(self.B, len(self._live), self.G_init)
+        record = self._record(((0, self.B),), self.B, replayed, G_cur)
+        self.G_cur = G_cur
+        return record
+
+    def _check_covered(self, step: int) -> None:
+        """The ids the step commits are 0..B-1 exactly once: its membership covers them, so
+        what a failure took away (the changed and dead replicas' steady shares) must equal
+        what it added (their shares now). O(changed), not O(B)."""
+        m = self._membership
+        assert m is not None
+        removed: list[int] = []
+        added: list[int] = []
+        for r, slot in self._changes.items():
+            steady = m.plan_of(r)
+            if steady.contributes:
+                removed.extend(steady.ids)
+            if slot.contributes and r not in self._dead:
+                added.extend(slot.base)
+                added.extend(slot.replay)
+        for r in self._dead - self._changes.keys():
+            steady = m.plan_of(r)
+            if steady.contributes:
+                removed.extend(steady.ids)
+        if sorted(removed) != sorted(added):
             # Unreachable by construction; refuse to apply a wrong sum if it ever happens.
-            missing = sorted(set(range(self.B)) - set(ids))
+            missing = sorted(set(removed) - set(added))
+            twice = sorted(i for i, c in collections.Counter(added).items() if c > 1)
             raise PolicyError(
                 f"step {step}: plan does not cover ids 0..{self.B - 1} exactly once "
-                f"(missing {missing[:10]}, {len(ids)} held); this is a bug in lightning_recover"
+                f"(missing {missing[:10]}, held twice {twice[:10]}); this is a bug in lightning_recover"
             )
-        record = CommitRecord(
-            step=step,
-            B=self.B,
-            committed=len(ids),
-            microbatch_ids=tuple(step * self.B + i for i in ids),
-            replicas=plan.live,
-            roles={r: p.role.value for r, p in plan.plans.items()},
-            faults=tuple(self._faults),
-            extra_microbatches=len(plan.replayed),
-            G_cur=steady_quota(self.B, len(self._live), self.G_init),
-            joined=tuple(sorted(self._joined)),
-        )
-        self.G_cur = record.G_cur
-        self._next_step = step + 1
-        self._step = None
-        self._slots = {}
-        self._faults = []
-        self._joined = set()
-        return record
 
     def _after_membership_change(self) -> None:
         self.G_cur = steady_quota(self.B, len(self._live), self.G_init)

@@ -8,7 +8,12 @@ re-join runs compare with the plain step-engine runs.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
+
+from lightning_recover.audit.ledger import MembershipTable, microbatch_ids
 
 #: Two gradient tensors; with BUCKET_NUMEL=2 they make NB=4 buckets, one of them shared.
 SIZES = (5, 3)
@@ -25,3 +30,18 @@ def grad_of(step: int, mb: int, shard: int) -> list[torch.Tensor]:
 
 def loss_of(step: int, mb: int) -> float:
     return float((step * 31 + mb * 7) % 97)
+
+
+class FullRecords:
+    """One rank's committed records in the ledger's full form: its replicas, roles and every id.
+
+    The engine hands out compact records (ranges, a membership line); the suites assert on
+    the full form, resolved the way a ledger reader does it, so the reader is tested too."""
+
+    def __init__(self) -> None:
+        self._table = MembershipTable()
+
+    def __call__(self, record: Mapping[str, Any]) -> dict[str, Any]:
+        full = self._table.resolve(record)
+        full["microbatch_ids"] = microbatch_ids(record)
+        return full

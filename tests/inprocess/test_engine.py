@@ -39,7 +39,7 @@ from lightning_recover.workload.factory import make_policy
 from lightning_recover.workload.step_plan import TooFewReplicasError
 
 # The simulated gradients and losses, shared with test_engine_join.py so the two suites compare.
-from harness.engine_steps import BUCKET_NUMEL, SIZES, TIMEOUT_S, grad_of, loss_of
+from harness.engine_steps import BUCKET_NUMEL, SIZES, TIMEOUT_S, FullRecords, grad_of, loss_of
 
 #: With BUCKET_NUMEL=2 the two gradient tensors of SIZES make NB=4 buckets, one of them shared.
 NB = 4
@@ -86,6 +86,8 @@ class RankLog:
     """What one simulated rank saw; kept even when the rank dies later."""
 
     commits: list[Committed] = field(default_factory=list)
+    #: Resolves this rank's compact records to the full form the checks read.
+    full: FullRecords = field(default_factory=FullRecords)
     #: ("start", step, bucket) | ("bucket", step, bucket, world_epoch)
     #: | ("repair", step | None, commits so far, RepairResult, in the in-step sync)
     events: list[tuple[Any, ...]] = field(default_factory=list)
@@ -189,7 +191,7 @@ def train(comm: FakeComm, sc: Scenario, logs: dict[int, RankLog], runner_cls: ty
         grads = [g.clone() for g in runner.grads]
         alive = comm.alive_replicas
         record = engine.finish()
-        log.commits.append(Committed(step, record, grads, list(runner.ran), alive, comm.is_leader))
+        log.commits.append(Committed(step, log.full(record), grads, list(runner.ran), alive, comm.is_leader))
         if sc.between:
             one, out = torch.ones(1, dtype=torch.float64), torch.empty(1, dtype=torch.float64)
             engine.run_collective(lambda: comm.allreduce([one], [out], across="world"))

@@ -40,7 +40,7 @@ from lightning_recover.workload.factory import make_policy
 from lightning_recover.workload.policy import WorkloadPolicy
 
 # The same simulated gradients and losses as the step-engine suite (test_engine.py), so the two compare.
-from harness.engine_steps import BUCKET_NUMEL, SIZES, TIMEOUT_S, grad_of, loss_of
+from harness.engine_steps import BUCKET_NUMEL, SIZES, TIMEOUT_S, FullRecords, grad_of, loss_of
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,8 @@ class RankLog:
     rank: int
     life: int
     commits: list[Committed] = field(default_factory=list)
+    #: Resolves this rank's compact records to the full form the checks read.
+    full: FullRecords = field(default_factory=FullRecords)
     #: (next_step, joined replicas) per on_replicas_joined
     joined_hook: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
 
@@ -185,7 +187,7 @@ def run_steps(comm: FakeComm, job: Job, policy: WorkloadPolicy, params: list[tor
         for p, g in zip(params, grads):
             p.sub_(g)
         record = engine.finish()
-        log.commits.append(Committed(step, record, grads, [p.clone() for p in params], comm.is_leader))
+        log.commits.append(Committed(step, log.full(record), grads, [p.clone() for p in params], comm.is_leader))
         if sc.between:
             one, out = torch.ones(1, dtype=torch.float64), torch.empty(1, dtype=torch.float64)
             engine.run_collective(lambda: comm.allreduce([one], [out], across="world"))

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from lightning_recover.audit.ledger import microbatch_ids, resolve
 from lightning_recover.config import ConfigurationError
 from lightning_recover.workload.adaptive_world import AdaptiveWorld
 from lightning_recover.workload.factory import make_policy
@@ -502,7 +503,15 @@ def test_commit_record_as_dict_is_json_ready():
     pol.fail([1])
     d = pol.commit().as_dict()
     assert json.loads(json.dumps(d)) == d
-    assert d["microbatch_ids"] == [6, 7, 8] and d["roles"] == {"0": "major", "2": "major"}
+    # Compact: the ids as one range, the membership on this first line, the loss as `died`.
+    assert d["ids"] == [[6, 9]] and d["membership"] == 2 and d["died"] == [1] and d["faults"] == [1]
+    full = next(resolve([d]))
+    assert microbatch_ids(d) == [6, 7, 8] and full["roles"] == {"0": "major", "2": "major"} and full["replicas"] == [0, 2]
+    # The next steady line refers to its own membership (a new live set) and stays small.
+    pol.begin_step(3, (0, 2))
+    pol.commit()
+    d4 = pol.begin_step(4, (0, 2)) and pol.commit().as_dict()
+    assert d4["membership"] == 3 and "members" not in d4 and "role_changes" not in d4
 
 
 # ---------------------------------------------------------------------------------------
