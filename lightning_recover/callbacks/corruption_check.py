@@ -97,7 +97,7 @@ class CorruptionCheck(RecoveryCallback):
         """Spare -> the contributor it shadows, in the steps whose gradients are cross-checked."""
         if (step.step + 1) % self.every_n_steps:
             return {}  # the cross-check runs in the steps whose commit is checked
-        return {r: p.shadows for r, p in step.plan.plans.items() if not p.contributes and p.shadows is not None}
+        return step.plan.shadowing()
 
     @override
     def on_before_overlap(self, trainer: Any, pl_module: Any, step: StepState) -> None:

@@ -37,15 +37,12 @@ import ctypes
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_recover.workload.factory import make_policy
-from lightning_recover.workload.policy import WorkloadPolicy
-from lightning_recover.workload.step_plan import TooFewReplicasError
 
 __all__ = [
     "Delivered",
@@ -57,7 +54,6 @@ __all__ = [
     "PlannedBatchSampler",
     "PlannedIndices",
     "SeededDataset",
-    "SteadyForecast",
     "WorkerInit",
     "stream_loader",
 ]
@@ -191,37 +187,12 @@ class PlanView(Protocol):
         the steady plan of the replicas live now for a later one."""
 
 
-class SteadyForecast:
-    """The offsets a replica computes in a step that begins with a given live set and no failure.
-
-    The policy's steady plan depends only on the live set (``begin_step``), so it is asked
-    of a fresh policy with the same settings; one answer per (policy, live set) is kept."""
-
-    def __init__(self) -> None:
-        self._cache: dict[tuple[int, tuple[int, ...], int], tuple[int, ...]] = {}
-
-    def ids(self, policy: WorkloadPolicy, live: Sequence[int], replica: int) -> tuple[int, ...]:
-        live_t = tuple(sorted(live))
-        key = (id(policy), live_t, replica)
-        found = self._cache.get(key)
-        if found is None:
-            fresh = make_policy(policy.name, policy.W_init, policy.G_init, T=policy.T, min_replicas=policy.min_replicas)
-            try:
-                found = fresh.begin_step(0, live_t).for_replica(replica).ids if replica in live_t else ()
-            except TooFewReplicasError:
-                found = ()  # the job stops at that step's begin; nothing to prefetch
-            self._cache = {k: v for k, v in self._cache.items() if k[0] == id(policy)}
-            self._cache[key] = found
-        return found
-
-
 class EnginePlan:
     """:class:`PlanView` of a :class:`~lightning_recover.recovery.engine.StepEngine` and its planner."""
 
     def __init__(self, engine: Any, next_step: Callable[[], int]) -> None:
         self.engine = engine
         self.next_step = next_step
-        self.forecast = SteadyForecast()
 
     def current_step(self) -> int:
         st = self.engine.state
@@ -232,7 +203,8 @@ class EnginePlan:
         if st is not None and st.step == step:
             return tuple(st.mine.ids)
         comm = self.engine.comm
-        return self.forecast.ids(self.engine.policy, comm.alive_replicas, comm.replica)
+        # The policy keeps the answer for the communicator's live tuple: O(log W) a step.
+        return tuple(self.engine.policy.steady_ids(comm.alive_replicas, comm.replica))
 
 
 class PlannedBatchSampler:

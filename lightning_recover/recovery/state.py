@@ -93,10 +93,15 @@ class StepState:
     votes: dict[str, float] = field(default_factory=dict)
     vote_totals: dict[str, float] = field(default_factory=dict)
 
+    #: (plan, this replica's share of it): ``mine`` is read per gradient, the plan changes only at a repair.
+    _mine: tuple[StepPlan, ReplicaPlan] | None = field(default=None, repr=False)
+
     @property
     def mine(self) -> ReplicaPlan:
         """This replica's share of the current plan."""
-        return self.plan.for_replica(self.replica)
+        if self._mine is None or self._mine[0] is not self.plan:
+            self._mine = (self.plan, self.plan.for_replica(self.replica))
+        return self._mine[1]
 
     @property
     def recovery_s(self) -> float:

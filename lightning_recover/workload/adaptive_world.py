@@ -29,9 +29,9 @@ class AdaptiveWorld(WorkloadPolicy):
         super().__init__(W_init, G_init, W_init, min_replicas)
         self.G_cur = G_init
 
-    def _steady_membership(self) -> Membership:
+    def _steady_membership(self, live: tuple[int, ...], joined: Collection[int]) -> Membership:
         # Fixed ownership: replica r holds [r*G, (r+1)*G) whatever else is live.
-        return Membership(B=self.B, G=self.G_init, veterans=self._live, n_major=len(self._live), fixed=True)
+        return Membership(B=self.B, G=self.G_init, veterans=live, n_major=len(live), fixed=True)
 
     def begin_step(self, step: int, alive: Collection[int]) -> StepPlan:
         self._open(step, alive)

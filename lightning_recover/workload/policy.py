@@ -232,13 +232,13 @@ class WorkloadPolicy(abc.ABC):
         if self._membership is None:
             # A resumed policy refers to the line that already holds its membership, as the
             # run it resumes would: every rank writes the same ledger line.
-            self._membership, self._membership_since = self._steady_membership(), self._since_hint
+            self._membership, self._membership_since = self._steady_membership(self._live, self._joined), self._since_hint
             self._since_hint = None
         return same
 
     @abc.abstractmethod
-    def _steady_membership(self) -> Membership:
-        """The steady plan of the live set (and the joiners of this boundary)."""
+    def _steady_membership(self, live: tuple[int, ...], joined: Collection[int]) -> Membership:
+        """The steady plan of ``live`` (sorted), ``joined`` being the joiners of this boundary."""
 
     def _slot(self, r: int) -> _Slot:
         """Replica ``r``'s share in the open step, as a slot a failure may change."""
@@ -376,28 +376,19 @@ class WorkloadPolicy(abc.ABC):
         """The ids ``replica`` computes in a later step that begins with ``alive`` and no failure.
 
         The data feed's forecast (it loads the next steps' samples ahead). A fresh policy's
-        answer: the joiners of this boundary are veterans by then. Kept per live set, so
-        asking again for the same ``alive`` object costs O(log W)."""
+        answer: the joiners of this boundary are veterans by then. Kept for the last live
+        tuple, so asking again with the communicator's unchanged tuple costs O(log W)."""
         cached = self._forecast
-        if cached is None or cached[0] is not alive:
+        # Kept only for a tuple: a list asked for again may have changed in place.
+        if cached is None or cached[0] is not alive or not isinstance(alive, tuple):
             live = tuple(sorted(alive))
-            m = self._fresh_membership(live) if live else None
+            # A step that begins with fewer than min_replicas never runs: nothing to load for it.
+            m = self._steady_membership(live, ()) if live and len(live) >= self.min_replicas else None
             cached = self._forecast = (alive, m)
         m = cached[1]
         if m is None or replica not in m:
             return ()
         return m.plan_of(replica).ids
-
-    def _fresh_membership(self, live: tuple[int, ...]) -> Membership | None:
-        """The steady membership a fresh policy would plan for ``live`` (None if it cannot run)."""
-        saved = self._live, self._joined
-        try:
-            self._live, self._joined = live, set()
-            if len(live) < self.min_replicas:
-                return None
-            return self._steady_membership()
-        finally:
-            self._live, self._joined = saved
 
     def _common_state(self) -> dict[str, Any]:
         return {

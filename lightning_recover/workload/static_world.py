@@ -72,16 +72,16 @@ class StaticWorld(WorkloadPolicy):
         super().__init__(W_init, G_init, T, min_replicas)
         self.G_cur = steady_quota(self.B, W_init, G_init)
 
-    def _steady_membership(self) -> Membership:
+    def _steady_membership(self, live: tuple[int, ...], joined: Collection[int]) -> Membership:
         B, G_init = self.B, self.G_init
         # Replicas that were live before the boundary come first: a join never demotes them,
         # and with join_as_spare they alone carry the joiners' first step.
-        if self._joined:
-            veterans = tuple(r for r in self._live if r not in self._joined)
-            joiners = tuple(r for r in self._live if r in self._joined)
+        if joined:
+            veterans = tuple(r for r in live if r not in joined)
+            joiners = tuple(r for r in live if r in joined)
         else:
-            veterans, joiners = self._live, ()
-        carriers = len(veterans) if self.join_as_spare and veterans else len(self._live)
+            veterans, joiners = live, ()
+        carriers = len(veterans) if self.join_as_spare and veterans else len(live)
         G = steady_quota(B, carriers, G_init)
         n_major, R = divmod(B, G)
         # W_cur * G >= B guarantees a replica is left for the remainder.

@@ -321,6 +321,19 @@ class StepPlan:
             return self.membership.live
         return tuple(r for r in self.membership.live if r not in self.dead)
 
+    def shadowing(self) -> dict[int, int]:
+        """Every live spare -> the contributor it shadows: O(spares), not O(W)."""
+        m, out = self.membership, {}
+        if not m.fixed:
+            for pos in range(m.n_contrib, m.n):
+                r = m.replica_at(pos)
+                if r not in self.changes and r not in self.dead:
+                    out[r] = m.replica_at((pos - m.n_contrib) % m.n_contrib)
+        for r, p in self.changes.items():
+            if not p.contributes and p.shadows is not None:
+                out[r] = p.shadows
+        return out
+
     @property
     def contributors(self) -> tuple[int, ...]:
         plans = self.plans

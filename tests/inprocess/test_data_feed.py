@@ -30,7 +30,6 @@ from lightning_recover.feed.loading import (
     MicrobatchFeed,
     PlannedBatchSampler,
     SeededDataset,
-    SteadyForecast,
 )
 from lightning_recover.workload.factory import make_policy
 
@@ -109,7 +108,6 @@ class ScriptedEngine:
         self.open: int | None = None
         self.next = 0
         self.plan: Any = None
-        self.forecast = SteadyForecast()
 
     def current_step(self) -> int:
         return self.open if self.open is not None else self.next
@@ -117,7 +115,7 @@ class ScriptedEngine:
     def ids(self, step: int) -> tuple[int, ...]:
         if self.open == step:
             return self.plan.for_replica(self.replica).ids
-        return self.forecast.ids(self.policy, self.live, self.replica)
+        return tuple(self.policy.steady_ids(self.live, self.replica))
 
     def run(self, feed: MicrobatchFeed, source: MicrobatchSource, steps: int) -> list[tuple[int, int]]:
         """Train ``steps`` steps, checking every microbatch against the reference; returns what was asked."""

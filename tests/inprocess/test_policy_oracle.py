@@ -109,6 +109,7 @@ class Oracle:
 def same(plan: StepPlan, oracle: Oracle) -> None:
     got = {r: (p.role.value, p.ids, p.contributes, p.shadows, p.extra) for r, p in plan.plans.items()}
     assert got == {r: s.view() for r, s in oracle.slots.items()}
+    assert plan.shadowing() == {r: s.shadows for r, s in oracle.slots.items() if not s.contributes}
 
 
 @settings(max_examples=400, deadline=None)
