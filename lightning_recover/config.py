@@ -201,6 +201,12 @@ class RecoverConfig:
     Attributes:
         shards: ranks per replica (S); FSDP2 shards the model over them. The world size
             must be a multiple (:meth:`check_world`). 1 = plain replication.
+        tensor_parallel: of the S ranks of a replica, how many hold tensor-parallel parts
+            of one layer (TP); a divisor of ``shards``. The replica is then a 2-D mesh
+            ``("data_parallel", "tensor_parallel")`` of ``shards // tensor_parallel`` x
+            ``tensor_parallel`` ranks, as ``ModelParallelStrategy(data_parallel_size,
+            tensor_parallel_size)`` builds it; the TP ranks of one data-parallel index see the
+            same samples. 1 (default) = no tensor parallelism, a 1-D ``"data_parallel"`` mesh.
         grad_accum: G_init, microbatches per contributing replica per step.
         target_replicas: T, contributing replicas; None = all W replicas. The other W - T
             start as spares. B = T * G_init stays constant through failures. On a resume,
@@ -284,10 +290,15 @@ class RecoverConfig:
     rejoin_standbys_wait_s: float = 60.0
     overlap: bool = True
     sync_every_microbatch: bool = False
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         shards_fix = "set recover.shards to the ranks per replica (a divisor of the world size)"
         _set(self, "shards", _integer("shards", self.shards, 1, shards_fix, requirement="a positive integer"))
+        tp_fix = f"set recover.tensor_parallel to a divisor of recover.shards={self.shards} (1 = no tensor parallelism)"
+        _set(self, "tensor_parallel", _integer("tensor_parallel", self.tensor_parallel, 1, tp_fix, requirement="a positive integer"))
+        if self.shards % self.tensor_parallel:
+            raise _refuse("tensor_parallel", self.tensor_parallel, f"a divisor of recover.shards={self.shards}", tp_fix)
         accum_fix = "set recover.grad_accum to a positive integer (microbatches per replica per step)"
         _set(self, "grad_accum", _integer("grad_accum", self.grad_accum, 1, accum_fix))
         if self.target_replicas is not None:
@@ -411,6 +422,11 @@ class RecoverConfig:
         return cls(**settings, checkpoint=checkpoint, sdc=SDCConfig(every_n_steps=sdc_every_n_steps, action=sdc_action))
 
     # ------------------------------------------------------------------ the job's size
+    @property
+    def data_parallel(self) -> int:
+        """The data-parallel ranks of one replica (``shards // tensor_parallel``): each sees its own slice of a microbatch."""
+        return self.shards // self.tensor_parallel
+
     def replicas(self, world_size: int) -> int:
         """W: replicas in a world of ``world_size`` ranks (refused unless shards divides it)."""
         try:

@@ -29,6 +29,11 @@ The contract of :class:`MPIAllGather` and :class:`MPIReduceScatter`:
 * **Threads.** Called on the thread that runs forward and backward, while the overlapped
   cross-replica reduction may use the shard communicator on a helper thread (MPI is
   initialized with ``MPI_THREAD_MULTIPLE``).
+* **Tensor parallel.** With ``recover.tensor_parallel > 1`` FSDP2 shards over the replica's
+  data-parallel dimension only, so its collectives run on :func:`data_parallel_comm`: the
+  mates that share this rank's tensor-parallel index. The tensor-parallel collectives
+  (DTensor's, inside forward and backward) stay on torch's group; a mate's death
+  fails either one and takes the replica through the gate all the same.
 * **Lifetime.** The communicator is the replica's for its whole life: a repair keeps or
   removes whole replicas, so it never needs rebuilding; a replacement replica brings its
   own, split from its spawn.
@@ -51,7 +56,7 @@ from lightning_recover.errors import RecoverError
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["MPIAllGather", "MPIReduceScatter", "ReplicaPlaneError", "resolve_replica_plane", "use_replica_plane"]
+__all__ = ["MPIAllGather", "MPIReduceScatter", "ReplicaPlaneError", "data_parallel_comm", "resolve_replica_plane", "use_replica_plane"]
 
 # MPI sums these natively; 16-bit floats go through fp32.
 _NATIVE = (torch.float32, torch.float64, torch.int32, torch.int64)
@@ -196,3 +201,21 @@ def use_replica_plane(model: torch.nn.Module, comm: MPI.Intracomm) -> tuple[MPIA
             except ValueError:
                 continue
     return gather, scatter
+
+
+def data_parallel_comm(mates: MPI.Intracomm, tensor_parallel: int) -> MPI.Intracomm:
+    """The ranks of ``mates`` (the replica, ranked by shard) that share this rank's tensor-parallel index,
+    ranked by data-parallel index: FSDP2's group on a ``("data_parallel", "tensor_parallel")`` mesh
+    (:class:`~lightning_recover.comm.topology.ReplicaGrid`). ``mates`` itself without tensor parallelism.
+    Collective over ``mates``."""
+    from mpi4py import MPI
+
+    from lightning_recover.comm.topology import ReplicaGrid
+
+    if tensor_parallel == 1:
+        return mates
+    grid = ReplicaGrid(mates.Get_size(), tensor_parallel)
+    shard = mates.Get_rank()
+    comm = mates.Split(grid.tensor_index(shard), grid.data_index(shard))
+    comm.Set_errhandler(MPI.ERRORS_RETURN)
+    return comm

@@ -1,4 +1,4 @@
-"""Rank layout of an HSDP job: W replicas x S shard ranks.
+"""Rank layout of an HSDP job: W replicas x S shard ranks (a replica: data parallel x tensor parallel).
 
 A *replica* (the S ranks that together hold one full model copy) is the unit that
 fails and recovers. Everything in the recovery protocol speaks in ORIGINAL world ranks
@@ -64,3 +64,43 @@ class RankLayout:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} out of range 0..{self.world_size - 1}")
+
+
+@dataclass(frozen=True)
+class ReplicaGrid:
+    """A replica's ``shards`` ranks as a 2-D grid: ``shards // tensor_parallel`` data-parallel x ``tensor_parallel``.
+
+    Shard ``s`` (the rank inside the replica) sits at data-parallel index ``s // tensor_parallel``
+    and tensor-parallel index ``s % tensor_parallel``: the row-major order in which
+    ``init_device_mesh(..., (dp, tp))`` lays out the replica's ranks, so the TP ranks of one
+    data-parallel index are neighbours (one host's GPUs). Only the data-parallel index picks
+    samples; the TP ranks of one index see the same ones.
+    """
+
+    shards: int
+    tensor_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel < 1 or self.shards % self.tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel={self.tensor_parallel} does not divide shards={self.shards}; "
+                "set recover.tensor_parallel to a divisor of recover.shards"
+            )
+
+    @property
+    def data_parallel(self) -> int:
+        return self.shards // self.tensor_parallel
+
+    def data_index(self, shard: int) -> int:
+        """The data-parallel index of ``shard``: which slice of a microbatch it computes."""
+        self._check(shard)
+        return shard // self.tensor_parallel
+
+    def tensor_index(self, shard: int) -> int:
+        """The tensor-parallel index of ``shard``: which part of each parallelized layer it holds."""
+        self._check(shard)
+        return shard % self.tensor_parallel
+
+    def _check(self, shard: int) -> None:
+        if not 0 <= shard < self.shards:
+            raise ValueError(f"shard {shard} out of range 0..{self.shards - 1}")

@@ -241,8 +241,10 @@ class RecoveryJob:
         host.init_replica_group(self.comm, c.shards, c.timeout_s, backend, gather=mates.allgather)
         host.on_ranks()
         self.probes = host.make_probes(self.comm.rank, self.watchdog)
+        # The engine divides by B x the data-parallel ranks (each sums its slice's gradient); TP ranks of
+        # one data-parallel index compute the same samples and are not counted again.
         self.engine = engine = StepEngine(
-            self.comm, self.policy, shards=c.shards, dispatch=host.dispatch, probes=self.probes, on_repair=self.on_repair,
+            self.comm, self.policy, shards=c.data_parallel, dispatch=host.dispatch, probes=self.probes, on_repair=self.on_repair,
             overlap=c.overlap,
         )
         self.replica_group = new_replica_group(

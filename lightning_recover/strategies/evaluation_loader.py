@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_recover.comm.interface import RepairResult
+from lightning_recover.comm.topology import ReplicaGrid
 from lightning_recover.feed.evaluation import Batches, EvaluationPlan
 
 
@@ -49,10 +50,13 @@ class EvaluationLoader:
         shards: int,
         repaired: Callable[[RepairResult], None],
         waiting: Callable[[], AbstractContextManager[None]],
+        tensor_parallel: int = 1,
     ) -> None:
         self.dataloader = dataloader
         self.comm = comm
-        self.shards = shards
+        # Samples are split over the data-parallel ranks only; the TP ranks of one index evaluate the same ones.
+        self.grid = ReplicaGrid(shards, tensor_parallel)
+        self.shards = self.grid.data_parallel
         self.repaired = repaired
         self.waiting = waiting
         self.dataset = dataloader.dataset
@@ -78,7 +82,7 @@ class EvaluationLoader:
         comm = self.comm
         self.plan = plan = EvaluationPlan(len(self.dataset), comm.alive_replicas, self.shards, self.batch_size)  # type: ignore[arg-type]
         while True:
-            batches = plan.batches(comm.replica, comm.shard)
+            batches = plan.batches(comm.replica, self.grid.data_index(comm.shard))
             if batches:
                 yield from self._loader(batches)
             with self.waiting():

@@ -45,7 +45,7 @@ from typing_extensions import override
 
 from lightning_recover import _lightning
 from lightning_recover.comm.process_group import ProcessGroupULFM
-from lightning_recover.comm.replica_plane import use_replica_plane
+from lightning_recover.comm.replica_plane import data_parallel_comm, use_replica_plane
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.feed.data import StepTicket, TicketLoader
 from lightning_recover.membership.seat import seat as spawned_seat
@@ -59,7 +59,9 @@ from lightning_recover.strategies.environment import ReplicaEnvironment
 from lightning_recover.strategies.evaluation_loader import EvaluationLoader, EvaluationSteps, splittable
 from lightning_recover.strategies.probes import install_progress_hooks
 from lightning_recover.strategies.replica_group import replica_guard
-from lightning_recover.strategies.sharding import is_sharded, local, on_gradient_ready, replica_mesh, shard_model
+from lightning_recover.strategies.sharding import (
+    is_sharded, local, on_gradient_ready, replica_mesh, require_tensor_parallel, shard_model,
+)
 from lightning_recover.strategies.step_logging import StepLogging
 from lightning_recover.strategies.steps import TrainingSteps
 from lightning_recover.strategies.train_loader import ticket_loader
@@ -183,7 +185,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The 1-D mesh (``"data_parallel"``) over this replica's shard ranks; see :func:`~.sharding.replica_mesh`.
+        """The mesh over this replica's shard ranks: 1-D ``"data_parallel"``, or with ``tensor_parallel > 1`` the 2-D
+        ``("data_parallel", "tensor_parallel")`` one of ``ModelParallelStrategy``; see :func:`~.sharding.replica_mesh`.
 
         The LightningModule sees it as ``self.device_mesh`` in ``configure_model``, as under
         ``ModelParallelStrategy``; a model sharded there keeps its FSDP units."""
@@ -228,7 +231,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         super().setup_environment()
         if self._device_mesh is None:
             # After the accelerator selected this rank's device, which DeviceMesh would otherwise guess.
-            self._device_mesh = replica_mesh(self.root_device.type, self.config.shards)
+            self._device_mesh = replica_mesh(self.root_device.type, self.config.shards, self.config.tensor_parallel)
         _lightning.set_device_mesh(self.lightning_module, self._device_mesh)
 
     @override
@@ -238,10 +241,12 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        require_tensor_parallel(self.model, self.config.tensor_parallel)
         if self.config.shards > 1 or is_sharded(self.model):
             shard_model(self.model, self.device_mesh)
             if self.replica_plane == "mpi":
-                self._replica_collectives = use_replica_plane(self.model, self.job.mates)
+                fsdp_comm = data_parallel_comm(self.job.mates, self.config.tensor_parallel)
+                self._replica_collectives = use_replica_plane(self.model, fsdp_comm)
         if self.watchdog is not None and self.watchdog.stuck_timeout is not None:
             install_progress_hooks(self.model, self.watchdog.tick)
         # The sharded parameters, kept: between forward and backward FSDP2 registers a unit's
@@ -288,7 +293,10 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and not trainer.training and splittable(dataloader):
             assert self.comm is not None and self.engine is not None and self.probes is not None
-            return EvaluationLoader(dataloader, self.comm, self.config.shards, self.engine.repaired, self.probes.waiting)  # type: ignore[arg-type]
+            return EvaluationLoader(
+                dataloader, self.comm, self.config.shards, self.engine.repaired, self.probes.waiting,  # type: ignore[arg-type]
+                tensor_parallel=self.config.tensor_parallel,
+            )
         if trainer is None or not trainer.training or isinstance(dataloader, TicketLoader):
             return dataloader
         self._steps.data, self._steps.feed, tickets = ticket_loader(dataloader, self.job, self.feed, trainer.max_steps)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_recover.comm.topology import ReplicaGrid
 from lightning_recover.feed.data import MicrobatchSource, TicketLoader
 from lightning_recover.feed.loading import EnginePlan, MicrobatchFeed
 from lightning_recover.recovery.job import RecoveryJob
@@ -26,7 +27,9 @@ def ticket_loader(
     (``previous``, the last fit's, is closed) and the tickets Lightning iterates, up to ``max_steps``."""
     assert job.policy is not None and job.comm is not None and job.engine is not None
     c = job.config
-    data = MicrobatchSource(dataloader, job.policy.B, c.shards, job.comm.shard, c.seed)
+    # Only the data-parallel index picks samples: the TP ranks of one index compute the same ones.
+    grid = ReplicaGrid(c.shards, c.tensor_parallel)
+    data = MicrobatchSource(dataloader, job.policy.B, grid.data_parallel, grid.data_index(job.comm.shard), c.seed)
     if job.resumed is not None:
         data.planner.load_state_dict(job.resumed["planner"])
     if previous is not None:
