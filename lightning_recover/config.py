@@ -22,6 +22,7 @@ dataclasses double as the OmegaConf structured schema of ``examples/pretrain.py`
 
 from __future__ import annotations
 
+import difflib
 import math
 import operator
 import os
@@ -104,6 +105,26 @@ def _path(key: str, value: Any, fix: str) -> str | None:
     return text
 
 
+def _names(cls: type) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+def _check_keys(where: str, settings: Mapping[Any, Any], known: list[str]) -> None:
+    unknown = sorted(str(k) for k in settings if k not in known)
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.5)
+        hint = f"did you mean {near[0]}? " if near else ""
+        raise ConfigurationError(
+            f"{where}.{unknown[0]} is not a {where} setting; {hint}remove it or use one of: {', '.join(known)}"
+        )
+
+
+def _refuse_unknown_keywords(cls: type, kwargs: Mapping[str, Any], where: str) -> None:
+    """A dataclass's ``__init__`` would refuse an unknown keyword with a bare TypeError
+    ("unexpected keyword argument"), e.g. when Hydra's ``instantiate`` builds the class from YAML."""
+    _check_keys(where, kwargs, _names(cls))
+
+
 def _set(obj: object, name: str, value: Any) -> None:
     # The dataclasses are frozen; __post_init__ stores normalised values (e.g. Path -> str) this way.
     object.__setattr__(obj, name, value)
@@ -134,6 +155,11 @@ class CheckpointConfig:
     every_n_steps: int = 0
     async_save: bool = True
     consolidate: bool = True
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> CheckpointConfig:
+        # Before the dataclass's __init__, whose refusal of an unknown keyword is a bare TypeError.
+        _refuse_unknown_keywords(cls, kwargs, "recover.checkpoint")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         _set(self, "dir", _path("checkpoint.dir", self.dir, "set recover.checkpoint.dir to a directory, or null for none"))
@@ -180,6 +206,11 @@ class SDCConfig:
 
     every_n_steps: int = 20
     action: str = "repair"
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SDCConfig:
+        # Before the dataclass's __init__, whose refusal of an unknown keyword is a bare TypeError.
+        _refuse_unknown_keywords(cls, kwargs, "recover.sdc")
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         _set(self, "every_n_steps", _integer(
@@ -292,6 +323,11 @@ class RecoverConfig:
     sync_every_microbatch: bool = False
     tensor_parallel: int = 1
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> RecoverConfig:
+        # Before the dataclass's __init__, whose refusal of an unknown keyword is a bare TypeError.
+        _refuse_unknown_keywords(cls, kwargs, "recover")
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         shards_fix = "set recover.shards to the ranks per replica (a divisor of the world size)"
         _set(self, "shards", _integer("shards", self.shards, 1, shards_fix, requirement="a positive integer"))
@@ -359,67 +395,90 @@ class RecoverConfig:
                                        "the standbys to be warm (0 = not at all)"),
         ):
             _set(self, key, _number(key, getattr(self, key), fix, positive=key == "rejoin_timeout_s", finite=True, requirement="a number of seconds"))
+        # A mapping (a dict, or OmegaConf's DictConfig when Hydra's instantiate builds this class) is the group's settings.
+        _set(self, "sdc", _group("sdc", self.sdc, SDCConfig))
+        _set(self, "checkpoint", _group("checkpoint", self.checkpoint, CheckpointConfig))
         if not isinstance(self.sdc, SDCConfig):
             raise ConfigurationError(
                 f"recover.sdc={self.sdc!r} is not an SDCConfig; pass SDCConfig(every_n_steps=..., action=...) "
-                "(recover.sdc.every_n_steps, recover.sdc.action)"
+                "or a mapping of those settings (recover.sdc.every_n_steps, recover.sdc.action)"
             )
         if not isinstance(self.checkpoint, CheckpointConfig):
             raise ConfigurationError(
-                f"recover.checkpoint={self.checkpoint!r} is not a CheckpointConfig; "
-                "pass CheckpointConfig(dir=..., every_n_steps=...) (recover.checkpoint.dir, recover.checkpoint.every_n_steps)"
+                f"recover.checkpoint={self.checkpoint!r} is not a CheckpointConfig; pass CheckpointConfig(dir=..., every_n_steps=...) "
+                "or a mapping of those settings (recover.checkpoint.dir, recover.checkpoint.every_n_steps)"
             )
 
     # ------------------------------------------------------------------ builders
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any]) -> RecoverConfig:
-        """Build from plain data (YAML, JSON, a resolved OmegaConf container).
+        """Build from plain data (YAML, JSON, an OmegaConf ``DictConfig`` or its resolved container).
 
-        ``checkpoint`` may be a mapping (or None for the defaults). Unknown keys are refused
-        by name, so a typo never silently falls back to a default.
+        ``checkpoint`` and ``sdc`` may be mappings (or None for the defaults). Unknown keys are
+        refused by name, so a typo never silently falls back to a default.
         """
         if not isinstance(settings, Mapping):
             raise ConfigurationError(f"recover={settings!r} is not a mapping of settings; known: {', '.join(_names(cls))}")
-        _check_keys("recover", settings, _names(cls))
-        values = dict(settings)
+        values = _plain("recover", settings, _names(cls))
         groups = {key: _group(key, values.pop(key, None), group) for key, group in (("checkpoint", CheckpointConfig), ("sdc", SDCConfig))}
         return cls(**values, **groups)
 
     @classmethod
-    def from_arguments(
-        cls,
-        *,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every_n_steps: int = 0,
-        checkpoint_async_save: bool = True,
-        checkpoint_consolidate: bool = True,
-        sdc_every_n_steps: int = 20,
-        sdc_action: str = "repair",
-        **settings: Any,
-    ) -> RecoverConfig:
-        """Build from ReCoVerHSDPStrategy's flat keyword arguments.
+    def from_arguments(cls, **settings: Any) -> RecoverConfig:
+        """Build from ReCoVerHSDPStrategy's keyword arguments.
 
-        ``checkpoint_dir``/``checkpoint_every_n_steps``/``checkpoint_async_save``/
-        ``checkpoint_consolidate`` become :attr:`checkpoint`; ``sdc_every_n_steps``/``sdc_action``
-        become :attr:`sdc`. Unlike the
-        Hydra group, where a directory with period 0 only names where to resume from, a
-        ``checkpoint_dir`` argument asks for checkpoints, so it needs a period >= 1.
+        Every field is a keyword. The groups come either nested (``checkpoint={"dir": ...,
+        "every_n_steps": ...}`` or a :class:`CheckpointConfig`, ``sdc={...}`` or an
+        :class:`SDCConfig`: Hydra's ``instantiate`` of a YAML group) or flat
+        (``checkpoint_dir``/``checkpoint_every_n_steps``/``checkpoint_async_save``/
+        ``checkpoint_consolidate``, ``sdc_every_n_steps``/``sdc_action``), not both. Unlike
+        the Hydra group, where a directory with period 0 only names where to resume from, a
+        flat ``checkpoint_dir`` asks for checkpoints, so it needs a period >= 1. An unknown
+        keyword is refused by name, with the nearest known one.
         """
-        if checkpoint_dir is not None:
+        known = [*_names(cls), *(f"{group}_{name}" for group, names in _FLAT.items() for name in names)]
+        values = _plain("", settings, known)
+        flat = {group: {name: values.pop(f"{group}_{name}") for name in names if f"{group}_{name}" in values} for group, names in _FLAT.items()}
+        for group, given in flat.items():
+            if given and values.get(group) is not None:
+                keywords = ", ".join(f"{group}_{name}" for name in given)
+                raise ConfigurationError(
+                    f"both {group}=... and {keywords} set recover.{group}; pass the group once: either "
+                    f"{group}={{{', '.join(f'{n!r}: ...' for n in given)}}} or the flat {group}_* keywords"
+                )
+        checkpoint = flat["checkpoint"]
+        if "dir" in checkpoint and checkpoint["dir"] is not None:
             every = _integer(
-                "checkpoint.every_n_steps", checkpoint_every_n_steps, 0, "set recover.checkpoint.every_n_steps"
+                "checkpoint.every_n_steps", checkpoint.get("every_n_steps", 0), 0, "set recover.checkpoint.every_n_steps"
             )
             if every < 1:
                 raise ConfigurationError(
                     f"checkpoint_every_n_steps must be >= 1 with a checkpoint_dir, got {every}; "
                     "set recover.checkpoint.every_n_steps"
                 )
-        # CheckpointConfig stores an os.PathLike dir as str (its annotation is OmegaConf's).
-        checkpoint = CheckpointConfig(
-            dir=checkpoint_dir, every_n_steps=checkpoint_every_n_steps,  # type: ignore[arg-type]
-            async_save=checkpoint_async_save, consolidate=checkpoint_consolidate,
+        for group, given in flat.items():
+            if given:
+                values[group] = given
+        return cls(**values)
+
+    @classmethod
+    def build(cls, config: Any = None, **settings: Any) -> RecoverConfig:
+        """The settings ReCoVerHSDPStrategy was given: ``config`` (a RecoverConfig, or a mapping of its
+        fields such as a dict or a DictConfig) or keyword settings (:meth:`from_arguments`), not both."""
+        if config is None:
+            return cls.from_arguments(**settings)
+        if settings:
+            raise ConfigurationError(
+                f"pass either config=RecoverConfig(...) or keyword settings, not both (got config and {sorted(settings)})"
+            )
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, Mapping):
+            return cls.from_mapping(config)
+        raise ConfigurationError(
+            f"config={config!r} is not a RecoverConfig nor a mapping of its settings; pass config=RecoverConfig(...), "
+            "a dict of its fields (config={'grad_accum': 2, ...}), or the fields as keywords"
         )
-        return cls(**settings, checkpoint=checkpoint, sdc=SDCConfig(every_n_steps=sdc_every_n_steps, action=sdc_action))
 
     # ------------------------------------------------------------------ the job's size
     @property
@@ -491,23 +550,36 @@ class RecoverConfig:
         return hang, stuck
 
 
+#: The flat keywords of the strategy for each settings group: ``checkpoint_dir`` is ``checkpoint.dir``.
+_FLAT: dict[str, tuple[str, ...]] = {
+    "checkpoint": ("dir", "every_n_steps", "async_save", "consolidate"),
+    "sdc": ("every_n_steps", "action"),
+}
+
+
 def _group(key: str, value: Any, group: type) -> Any:
     """A nested settings group (``recover.<key>``) from a mapping, None (its defaults) or an instance."""
     if value is None:
         return group()
     if isinstance(value, Mapping):
-        _check_keys(f"recover.{key}", value, _names(group))
-        return group(**value)
+        return group(**_plain(f"recover.{key}", value, _names(group)))
     return value
 
 
-def _names(cls: type) -> list[str]:
-    return [f.name for f in fields(cls)]
+def _plain(where: str, settings: Mapping[Any, Any], known: list[str]) -> dict[str, Any]:
+    """``settings`` as a dict of known keys; an unknown key, or a value that cannot be read, is refused by name.
 
-
-def _check_keys(where: str, settings: Mapping[str, Any], known: list[str]) -> None:
-    unknown = sorted(str(k) for k in settings if k not in known)
-    if unknown:
-        raise ConfigurationError(
-            f"{where}.{unknown[0]} is not a {where} setting; remove it or use one of: {', '.join(known)}"
-        )
+    Reading a value of an OmegaConf ``DictConfig`` can fail (``???`` not set, an
+    interpolation that does not resolve); its message says which, but not as a
+    ConfigurationError. Nested mappings are left to the group that reads them.
+    """
+    _check_keys(where or "recover", settings, known)
+    values: dict[str, Any] = {}
+    for key in settings:
+        try:
+            values[str(key)] = settings[key]
+        except Exception as exc:  # OmegaConf's MissingMandatoryValue, InterpolationResolutionError, ...
+            name = f"{where}.{key}" if where else f"recover.{key}"
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigurationError(f"{name} has no usable value ({first}); set {name} to a value") from None
+    return values

@@ -62,7 +62,7 @@ ERRORS: dict[str, ErrorFate] = {
     "lightning_recover.workload.step_plan:TooFewReplicasError": ErrorFate(
         "stop", "fewer live replicas than min_replicas: stop with shutdown(exit_code=3) and relaunch from the newest checkpoint"),
     "lightning_recover.config:ConfigurationError": ErrorFate(
-        "user", "a setting is wrong; the message names it and the fix (raised before the first step)"),
+        "user", "a setting is wrong; the message names it and the fix (raised before the first step; uncaught in a launched job: one line, exit status 2)"),
     "lightning_recover.comm.ulfm:ULFMUnavailableError": ErrorFate(
         "user", "the MPI has no working fault tolerance (a trial revoke failed): install Open MPI 5 with ULFM, launch with --with-ft ulfm"),
     "lightning_recover.workload.step_plan:PolicyError": ErrorFate(

@@ -7,7 +7,8 @@ With ULFM, mpiexec reports 0 even when every rank died by a signal (each death i
 "recoverable" failure), so the launcher judges a job by these markers instead:
 :class:`JobMarkers` reads them, and :func:`final_words` turns them into the job's status
 (non-zero -- mpiexec's, else 1 -- when ranks started but none ended on purpose,
-:data:`NO_QUORUM_STATUS` when they stopped for want of a quorum and none finished) and one
+:data:`NO_QUORUM_STATUS` when they stopped for want of a quorum and none finished,
+:data:`~lightning_recover.runtime.refusal.REFUSED_STATUS` when a setting was refused) and one
 line saying whether the program raised or the replicas died.
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_recover.runtime.markers import QUORUM_MARKER
+from lightning_recover.runtime.refusal import REFUSED_STATUS
 
 
 #: The job's status when ranks stopped for want of a quorum and none finished (EX_TEMPFAIL).
@@ -65,6 +67,12 @@ class JobMarkers:
                 kind = lines[0] if lines else "an exception"
                 markers.raised[r] = (kind, lines[1] if len(lines) > 1 else kind)
         return markers
+
+    @property
+    def refused(self) -> bool:
+        """A rank stopped on a setting (a ConfigurationError; :mod:`lightning_recover.runtime.refusal`): it printed
+        the one line naming the setting and the fix, and the job's status is :data:`REFUSED_STATUS`."""
+        return any(kind == "ConfigurationError" for kind, _ in self.raised.values())
 
     @property
     def finished(self) -> bool:
@@ -144,6 +152,8 @@ def final_words(markers: JobMarkers, nprocs: int, status: int) -> tuple[int, str
             # the program ended normally on every rank that finished, so the job did too.
             return 0, f"note: mpiexec exited with status {status} (a failed spawn of replacement ranks); every rank that finished ended normally"
         return status, None
+    if markers.refused:
+        return REFUSED_STATUS, None  # the rank's one line says which setting and the fix; a traceback would not help
     status = status or 1
     if not markers.raised:
         return status, (

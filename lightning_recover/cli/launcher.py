@@ -86,7 +86,8 @@ def launch(
     with where as status_dir:
         env[ENV_STATUS_DIR] = status_dir
         status = run_supervised(
-            argv, env, nprocs=nprocs if here else None, finished=lambda: JobMarkers.read(status_dir).over(nprocs)
+            argv, env, nprocs=nprocs if here else None, finished=lambda: JobMarkers.read(status_dir).over(nprocs),
+            refused=lambda: JobMarkers.read(status_dir).refused,
         )
         status, words = final_words(JobMarkers.read(status_dir), nprocs, status)
     if words is not None:
@@ -304,7 +305,8 @@ def supervise(
             try:
                 status = run_supervised(argv, env, nprocs=plan.nprocs if local else None, watch=watch,
                                         stdout=pipes[0][1], stderr=pipes[1][1], on_signal=interrupted.append,
-                                        finished=lambda d=status_dir, n=plan.nprocs: JobMarkers.read(d).over(n))
+                                        finished=lambda d=status_dir, n=plan.nprocs: JobMarkers.read(d).over(n),
+                                        refused=lambda d=status_dir: JobMarkers.read(d).refused)
             finally:
                 for _, w in pipes:
                     os.close(w)

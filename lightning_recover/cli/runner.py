@@ -70,6 +70,7 @@ def run_supervised(
     watch: Callable[[], str | None] | None = None,
     on_signal: Callable[[int], None] | None = None,
     finished: Callable[[], bool] | None = None,
+    refused: Callable[[], bool] | None = None,
 ) -> int:
     """Run ``mpiexec`` in its own session and return its status (see the module docstring).
 
@@ -83,6 +84,8 @@ def run_supervised(
     ``grace_s`` while mpiexec still waits -- on the ranks of a frozen or cut-off host, which
     it cannot reach and never gives up on -- the job is ended and the status is 0 (the
     caller judges the job by the markers, :func:`lightning_recover.cli.job_status.final_words`).
+    When ``refused`` holds (a rank stopped on a bad setting with status 2, and mpiexec ended the
+    ranks still starting), the ranks left behind are ended without a line about them.
     """
     started = time.time()
     proc = subprocess.Popen(
@@ -162,7 +165,7 @@ def run_supervised(
     finally:
         exited = proc.poll() is not None
         left = kill_group()  # leftovers (a SIGSTOPped rank) never outlive the job
-        if left and exited:
+        if left and exited and not (refused is not None and refused()):
             print(f"[lightning-recover] {len(left)} rank(s) outlived mpiexec; ended them (SIGKILL): pids {left}",
                   file=sys.stderr, flush=True)
         deadline = time.monotonic() + 5.0

@@ -138,6 +138,8 @@ _terminated: int | None = None
 # Communicators whose end of job ran (a process may run several jobs, e.g. one per test).
 _ended: weakref.WeakSet[JobComm] = weakref.WeakSet()
 _warned_single = False
+# What the crash hook calls first with an uncaught exception (see :func:`before_crash`).
+_before_crash: list[Callable[[BaseException, int | None], None]] = []
 
 
 # ---------------------------------------------------------------------- start
@@ -314,6 +316,15 @@ def _first_to_print(text: str) -> bool:
     return True
 
 
+def before_crash(handler: Callable[[BaseException, int | None], None]) -> None:
+    """Let ``handler(exception, rank)`` see an uncaught exception before the crash hook prints its traceback.
+
+    A handler that ends the rank itself (:func:`lightning_recover.runtime.refusal.refuse`) replaces
+    the traceback; one that returns leaves the crash hook to go on as usual."""
+    if handler not in _before_crash:
+        _before_crash.append(handler)
+
+
 def install_crash_hook(rank: int | None = None) -> None:
     """Make an uncaught exception end this rank by :data:`CRASH_SIGNAL` instead of a non-zero exit.
 
@@ -334,6 +345,8 @@ def install_crash_hook(rank: int | None = None) -> None:
     def hook(exc_type: type[BaseException], exc: BaseException, tb: object) -> None:
         if _launcher_gone(exc):
             os.kill(os.getpid(), CRASH_SIGNAL)
+        for handler in _before_crash:
+            handler(exc, _crash_rank)  # e.g. a refused setting's one line (runtime/refusal.py), which does not return
         text = "".join(traceback.format_exception(exc_type, exc, tb))  # type: ignore[arg-type]
         first = _first_to_print(text)
         out = io.StringIO()

@@ -46,12 +46,13 @@ from typing_extensions import override
 from lightning_recover import _lightning
 from lightning_recover.comm.process_group import ProcessGroupULFM
 from lightning_recover.comm.replica_plane import data_parallel_comm, use_replica_plane
-from lightning_recover.config import ConfigurationError, RecoverConfig
+from lightning_recover.config import RecoverConfig
 from lightning_recover.feed.data import StepTicket, TicketLoader
 from lightning_recover.membership.seat import seat as spawned_seat
 from lightning_recover.recovery import admission
 from lightning_recover.recovery.job import RecoveryJob
 from lightning_recover.runtime import lifecycle
+from lightning_recover.runtime.refusal import install_refusal_hook
 from lightning_recover.runtime.slurm import refuse_direct_launch
 from lightning_recover.strategies import checkpoint_io, metrics
 from lightning_recover.strategies.checkpoints import Checkpoints
@@ -76,12 +77,14 @@ __all__ = ["DEFAULT_CALLBACKS", "ReCoVerHSDPStrategy"]
 class ReCoVerHSDPStrategy(ParallelStrategy):
     """HSDP with in-place recovery from replica failures; see the module docstring.
 
-    Pass ``config=RecoverConfig(...)`` or its fields as keywords (``shards``,
+    Pass ``config=RecoverConfig(...)`` (or a mapping of its fields: a dict, a DictConfig) or its fields as keywords (``shards``,
     ``grad_accum``, ``target_replicas``, ``policy``, ``min_replicas``, ``bucket_mb``, ``data_plane``,
     ``replica_plane``, ``ledger_path``, ``seed``, ``timeout_s``, ``hang_timeout_s``, ``stuck_timeout_s``, and
     ``checkpoint_dir`` / ``checkpoint_every_n_steps`` / ``checkpoint_async_save`` / ``checkpoint_consolidate`` for ``checkpoint``,
-    ``sdc_every_n_steps`` / ``sdc_action`` for ``sdc``, ``rejoin`` and its ``rejoin_*`` settings); every setting is
-    documented and validated in :class:`lightning_recover.config.RecoverConfig`.
+    ``sdc_every_n_steps`` / ``sdc_action`` for ``sdc``, or the groups nested: ``checkpoint={"dir": ..., "every_n_steps": ...}``,
+    ``sdc={...}``; ``rejoin`` and its ``rejoin_*`` settings); every setting is documented and validated in
+    :class:`lightning_recover.config.RecoverConfig`. A wrong key or value raises its ConfigurationError; uncaught in a
+    launched rank it ends the job with one line and exit status 2 (:mod:`lightning_recover.runtime.refusal`).
 
     Checkpoints resume with ``trainer.fit(..., ckpt_path=resolve_ckpt_path("last", dir))``,
     also on a different number of replicas: B, G_init, T and the sample order come from
@@ -91,17 +94,15 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
     strategy_name = "recover_hsdp"
 
-    def __init__(self, config: RecoverConfig | None = None, **settings: Any) -> None:
+    def __init__(self, config: RecoverConfig | Mapping[str, Any] | None = None, **settings: Any) -> None:
         # Tasks that srun started (no mpiexec) stop here, before the Trainer prints or writes anything
         # as "rank 0" on each of them (lifecycle.prepare_mpi checks again for other ways into MPI).
         refuse_direct_launch()
+        # A bad setting in a launched rank: one line and exit status 2, not a traceback per rank.
+        install_refusal_hook()
         super().__init__(cluster_environment=ReplicaEnvironment())
-        if config is not None and settings:
-            raise ConfigurationError(
-                f"pass either config=RecoverConfig(...) or keyword settings, not both (got config and {sorted(settings)})"
-            )
         #: The running job: communicator, policy, engine, watchdog, ledger, recruiter (:mod:`~lightning_recover.recovery.job`).
-        self.job = RecoveryJob(config if config is not None else RecoverConfig.from_arguments(**settings))
+        self.job = RecoveryJob(RecoverConfig.build(config, **settings))
         self._replica_collectives: tuple[Any, ...] = ()
         self._device_mesh: DeviceMesh | None = None
         self._logging = StepLogging(lambda: self.lightning_module)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_recover.config import POLICY_NAMES, CheckpointConfig, ConfigurationError, RecoverConfig
+from lightning_recover.config import POLICY_NAMES, CheckpointConfig, ConfigurationError, RecoverConfig, SDCConfig
 
 
 def refused(**kwargs: Any) -> str:
@@ -63,7 +64,11 @@ def refused(**kwargs: Any) -> str:
         ("hang_timeout_s", "10", ["recover.hang_timeout_s='10'"]),
         ("stuck_timeout_s", -1.0, ["stuck_timeout_s must be >= 0 seconds (0 = off), got -1.0", "recover.stuck_timeout_s=-1.0", "or null for the hang timeout"]),
         ("stuck_timeout_s", False, ["recover.stuck_timeout_s=False"]),
-        ("checkpoint", {"dir": "x"}, ["recover.checkpoint={'dir': 'x'} is not a CheckpointConfig", "CheckpointConfig(dir=..., every_n_steps=...)"]),
+        ("checkpoint", "x", ["recover.checkpoint='x' is not a CheckpointConfig", "CheckpointConfig(dir=..., every_n_steps=...) or a mapping"]),
+        ("checkpoint", {"dir": "x", "every": 2}, ["recover.checkpoint.every is not a recover.checkpoint setting; did you mean every_n_steps?"]),
+        ("sdc", 5, ["recover.sdc=5 is not an SDCConfig"]),
+        ("sdc", {"action": "fix"}, ["sdc.action must be 'repair' or 'evict', got 'fix'"]),
+        ("rejoin_hosts", ["node7", "node8"], ["rejoin_hosts must be a comma-separated host list, got ['node7', 'node8']"]),
     ],
 )
 def test_each_bad_field_is_named_with_its_fix(field: str, value: Any, needles: list[str]) -> None:
@@ -148,14 +153,15 @@ def test_from_mapping_builds_the_nested_checkpoint() -> None:
 @pytest.mark.parametrize(
     ("settings", "needle"),
     [
-        ({"grad_acum": 2}, "recover.grad_acum is not a recover setting; remove it or use one of: shards, grad_accum"),
-        ({"checkpoint": {"every": 2}}, "recover.checkpoint.every is not a recover.checkpoint setting; remove it or use one of: dir, every_n_steps"),
+        ({"grad_acum": 2}, "recover.grad_acum is not a recover setting; did you mean grad_accum? remove it or use one of: shards, grad_accum"),
+        ({"checkpoint": {"every": 2}},
+         "recover.checkpoint.every is not a recover.checkpoint setting; did you mean every_n_steps? remove it or use one of: dir, every_n_steps"),
         ({"checkpoint": {"every_n_steps": 2}}, "needs recover.checkpoint.dir"),
         (["shards"], "recover=['shards'] is not a mapping of settings"),
     ],
 )
 def test_from_mapping_refuses_unknown_keys(settings: Any, needle: str) -> None:
-    with pytest.raises(ConfigurationError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ConfigurationError, match=re.escape(needle)):
         RecoverConfig.from_mapping(settings)
 
 
@@ -168,8 +174,68 @@ def test_from_arguments_maps_the_strategy_keywords(tmp_path: Path) -> None:
         RecoverConfig.from_arguments(checkpoint_dir=tmp_path)
     with pytest.raises(ConfigurationError, match="needs recover.checkpoint.dir"):
         RecoverConfig.from_arguments(checkpoint_every_n_steps=2)
-    with pytest.raises(TypeError):
+    with pytest.raises(ConfigurationError, match=re.escape("recover.grad_acum is not a recover setting; did you mean grad_accum?")):
         RecoverConfig.from_arguments(grad_acum=3)
+
+
+# ---------------------------------------------------------------------- every way of passing settings (issue 34)
+def test_the_strategy_keywords_take_the_groups_nested(tmp_path: Path) -> None:
+    flat = RecoverConfig.from_arguments(checkpoint_dir=tmp_path, checkpoint_every_n_steps=2, sdc_action="evict")
+    nested = RecoverConfig.from_arguments(checkpoint={"dir": str(tmp_path), "every_n_steps": 2}, sdc={"action": "evict"})
+    assert nested == flat == RecoverConfig.from_arguments(
+        checkpoint=CheckpointConfig(dir=str(tmp_path), every_n_steps=2), sdc=SDCConfig(action="evict")
+    )
+    assert RecoverConfig(checkpoint={"dir": "/ck"}, sdc=None).checkpoint == CheckpointConfig(dir="/ck")  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=r"both sdc=\.\.\. and sdc_every_n_steps set recover.sdc; pass the group once"):
+        RecoverConfig.from_arguments(sdc={"action": "evict"}, sdc_every_n_steps=3)
+
+
+@pytest.mark.parametrize(
+    ("build", "needle"),
+    [
+        (lambda: RecoverConfig(bucket_size=3), "recover.bucket_size is not a recover setting; did you mean bucket_mb?"),
+        (lambda: CheckpointConfig(every=3), "recover.checkpoint.every is not a recover.checkpoint setting"),
+        (lambda: SDCConfig(actoin="evict"), "recover.sdc.actoin is not a recover.sdc setting; did you mean action?"),
+        (lambda: RecoverConfig.build(config={"polcy": "static"}), "recover.polcy is not a recover setting; did you mean policy?"),
+        (lambda: RecoverConfig.build(config=3), "config=3 is not a RecoverConfig nor a mapping of its settings"),
+        (lambda: RecoverConfig.build(config={}, grad_accum=2), "pass either config=RecoverConfig(...) or keyword settings, not both"),
+    ],
+)
+def test_direct_construction_refuses_unknown_keys_by_name(build: Any, needle: str) -> None:
+    with pytest.raises(ConfigurationError) as info:
+        build()
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_omegaconf_containers_are_settings() -> None:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"grad_accum": 2, "checkpoint": {"dir": "/ck", "every_n_steps": 3}, "sdc": {"every_n_steps": 0}})
+    expected = RecoverConfig(grad_accum=2, checkpoint=CheckpointConfig(dir="/ck", every_n_steps=3), sdc=SDCConfig(every_n_steps=0))
+    assert RecoverConfig.build(config=cfg) == expected
+    assert RecoverConfig.from_arguments(checkpoint=cfg.checkpoint, sdc=cfg.sdc, grad_accum=2) == expected
+    assert RecoverConfig.build(config=OmegaConf.structured(RecoverConfig(seed=4))) == RecoverConfig(seed=4)
+    with pytest.raises(ConfigurationError, match=r"recover.grad_accum has no usable value \(Missing mandatory value: grad_accum\)"):
+        RecoverConfig.build(config=OmegaConf.create({"grad_accum": "???"}))
+    with pytest.raises(ConfigurationError, match="rejoin_hosts must be a comma-separated host list"):
+        RecoverConfig.from_arguments(rejoin_hosts=OmegaConf.create(["node7"]))
+    with pytest.raises(ConfigurationError, match="unknown policy"):
+        RecoverConfig.build(config=OmegaConf.create({"policy": {"name": "static"}}))
+
+
+def test_hydra_instantiate_raises_ours_as_the_cause() -> None:
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from lightning_recover.runtime.refusal import configuration_error
+
+    built = instantiate(OmegaConf.create({"_target_": "lightning_recover.config.RecoverConfig", "checkpoint": {"dir": "/ck"}}))
+    assert built.checkpoint == CheckpointConfig(dir="/ck")
+    with pytest.raises(InstantiationException) as info:
+        instantiate(OmegaConf.create({"_target_": "lightning_recover.config.RecoverConfig", "sdc": {"every": 1}}))
+    error = configuration_error(info.value)
+    assert error is not None and "recover.sdc.every is not a recover.sdc setting" in str(error)
 
 
 # ---------------------------------------------------------------------- the job's size

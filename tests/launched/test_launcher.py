@@ -254,6 +254,7 @@ def test_console_script_is_installed() -> None:
 
 # ------------------------------------------------------------------------------ the launcher's last words
 def _markers(tmp_path: Path, files: dict[str, str]) -> JobMarkers:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     return JobMarkers.read(str(tmp_path))
@@ -295,12 +296,15 @@ def test_every_rank_raised_the_same_error(tmp_path: Path) -> None:
     )
 
 
-def test_raised_before_the_communicator_came_up_still_counts(tmp_path: Path) -> None:
-    # A ConfigurationError in setup: the crash hook marks it before any started marker exists.
-    cfg = "ConfigurationError\nlightning_recover.config.ConfigurationError: recover.target_replicas=3 but the job has 2 replicas\n"
-    status, words = final_words(_markers(tmp_path, {"raised.0": cfg, "raised.1": cfg}), 2, 0)
-    assert status == 1 and words is not None
-    assert words.startswith("the program raised ConfigurationError on every rank (lightning_recover.config.ConfigurationError: recover.target_replicas=3")
+def test_a_refused_setting_is_status_2_and_the_ranks_line_alone(tmp_path: Path) -> None:
+    # A ConfigurationError in setup: the ranks printed its one line (runtime/refusal.py) and left by a
+    # signal (mpiexec says 0), or the first left with status 2 before MPI was up and mpiexec ended the rest.
+    cfg = "ConfigurationError\nConfigurationError: recover.target_replicas=3 but the job has 2 replicas\n"
+    for files, mpiexec_status in (({"raised.0": cfg, "raised.1": cfg}, 0), ({"raised.1": cfg}, 2)):
+        markers = _markers(tmp_path / str(mpiexec_status), files)
+        assert markers.refused
+        assert final_words(markers, 2, mpiexec_status) == (2, None)
+    assert not _markers(tmp_path / "bug", {"raised.0": BUG}).refused
 
 
 def test_some_ranks_raised_and_the_others_died(tmp_path: Path) -> None:
