@@ -18,7 +18,9 @@ writes OUT_DIR/<config>/: ledger.jsonl, params{R}.pt, rank{R}.json (and launch{I
 job's output); OUT_DIR/RECORDED.json names the commit that was run.
 
 ``compare`` prints one line per configuration (``same`` or the first difference) and last
-``N/N configurations bitwise equal``; it exits 1 on any difference.
+``N/N configurations bitwise equal``; it exits 1 on any difference. Ledgers are compared by
+meaning, in the full form (every id, replica and role), so a recording of the compact line
+format (issue 33) compares with one of the full format written before it.
 
 Determinism (each configuration was recorded twice on ee0ea79 and compared with itself): every
 fault is injected at a named step/rank/phase (the points the launched tests use), never at a
@@ -272,6 +274,22 @@ def _tensor_diff(a: Any, b: Any, where: str) -> str | None:
     return None
 
 
+#: Keys of the compact ledger line (issue 33) that only encode what the full line spells out.
+COMPACT_KEYS = ("ids", "membership", "members", "died", "role_changes")
+
+
+def _ledger_meaning(path: Path) -> list[Any]:
+    """A ledger's lines in the full form, whichever format wrote them: every id, replica and role."""
+    from lightning_recover.audit.ledger import microbatch_ids, read_ledger
+
+    out = []
+    for rec in read_ledger(path):
+        full = {k: v for k, v in rec.items() if k not in COMPACT_KEYS}
+        full["microbatch_ids"] = microbatch_ids(rec)
+        out.append(_strip(full))
+    return out
+
+
 def compare_config(a: Path, b: Path) -> str | None:
     """The first difference between two recordings of one configuration, or None."""
     import torch
@@ -280,8 +298,7 @@ def compare_config(a: Path, b: Path) -> str | None:
     for p in (la, lb):
         if not p.exists():
             return f"{p} missing"
-    lines_a = [_strip(json.loads(x)) for x in la.read_text().splitlines()]
-    lines_b = [_strip(json.loads(x)) for x in lb.read_text().splitlines()]
+    lines_a, lines_b = (_ledger_meaning(p) for p in (la, lb))
     d = _first_diff(lines_a, lines_b, "ledger")
     if d:
         return d
