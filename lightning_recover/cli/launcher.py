@@ -29,7 +29,7 @@ from typing import Any
 
 from lightning_recover.cli.hosts import local_host_names, probe_unreachable
 from lightning_recover.cli.job_status import JobMarkers, final_words
-from lightning_recover.cli.mpiexec import build_command, launch_env
+from lightning_recover.cli.mpiexec import build_command, launch_env, safe_coll_note
 from lightning_recover.cli.runner import STALLED_STATUS, run_supervised
 from lightning_recover.cli.supervision import (
     RELAUNCHABLE,
@@ -74,6 +74,8 @@ def launch(
         slots=None if hosts is None else sum(h.slots for h in hosts), unbound=unbound,
     )
     print("[lightning-recover] " + shlex.join(argv), file=sys.stderr, flush=True)
+    if (note := safe_coll_note(argv)) is not None:
+        print(f"[lightning-recover] {note}", file=sys.stderr, flush=True)
     env = launch_env()
     # Only hosts that are all this machine let the stuck-abort rule see every rank (lightning_recover.cli.runner).
     here = hosts is None or all(h.name in local_host_names() for h in hosts)
@@ -284,6 +286,8 @@ def supervise(
                 slots=plan.slots, oversubscribe=policy.oversubscribe and not local, unbound=unbound,
             )
             say(f"[lightning-recover] supervise: attempt {relaunches + 1}: " + shlex.join(argv))
+            if relaunches == 0 and (note := safe_coll_note(argv)) is not None:
+                say(f"[lightning-recover] {note}")
             env = dict(env_base, **{ENV_STATUS_DIR: status_dir, ENV_ATTEMPT: str(relaunches)})
             t_start = time.time()
             progress = _Progress(ledger, t_start)

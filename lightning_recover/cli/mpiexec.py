@@ -2,7 +2,8 @@
 
 ULFM must be switched on when the job starts; :func:`build_command` builds the one
 ``mpiexec`` command line that does so on a workstation, a single node or a list of hosts
-(docs/launching.md documents the Slurm equivalent), and :func:`launch_env` the ranks' environment
+(docs/launching.md documents the Slurm equivalent), with the collective components that are
+safe under ULFM across hosts (:data:`SAFE_COLL`), and :func:`launch_env` the ranks' environment
 (no ``MPI_Finalize``, which can block forever under ULFM). The launcher
 (:mod:`lightning_recover.cli.launcher`) prints the command before running it so users can
 copy it into their own scripts; benchmarks and test harnesses build theirs here too.
@@ -46,6 +47,53 @@ def find_mpiexec() -> str:
 #: Open MPI's runtime setting that keeps spawned processes (replacement ranks) recoverable.
 RECOVERABLE_SPAWNS = ("--prtemca", "state_base_recoverable", "1")
 
+#: The collective components left out by default. With the hierarchical ``coll/han``
+#: active, ``MPIX_Comm_agree`` deadlocks across nodes (Open MPI issue 13915, v5.0.8); across 3
+#: fake hosts here (5.0.11) a plain mpi4py job whose first all-reduce on a communicator came
+#: after a peer's death segfaulted in ``mca_coll_han_comm_create``. ``coll/cuda`` wraps it on CUDA builds. han disqualifies
+#: itself on a communicator of one host, so leaving it out costs a single-host job nothing,
+#: and it is left out always: a job started on one host spans hosts once replacements are
+#: spawned on a spare one (recover.rejoin_hosts), and spawned ranks inherit these settings.
+SAFE_COLL = ("--mca", "coll", "^han,cuda")
+#: Open MPI's environment form of ``--mca coll``: a user who sets it chose the components.
+ENV_COLL = "OMPI_MCA_coll"
+_MCA_OPTIONS = frozenset({"--mca", "-mca", "--omca", "-omca", "--gmca", "-gmca"})
+
+
+def chooses_coll(extra: Sequence[str], env: Mapping[str, str] | None = None) -> bool:
+    """Whether the user chose Open MPI's collective components (``--mca coll LIST`` in ``extra``, or
+    ``OMPI_MCA_coll`` set): then :data:`SAFE_COLL` is not added, theirs is kept."""
+    env = os.environ if env is None else env
+    if env.get(ENV_COLL):
+        return True
+    return any(a in _MCA_OPTIONS and i + 1 < len(extra) and extra[i + 1] == "coll" for i, a in enumerate(extra))
+
+
+def spans_hosts(argv: Sequence[str]) -> bool:
+    """Whether an mpiexec argv places ranks on more than one host (``--host`` naming two or more, or a
+    hostfile, whose hosts the launcher does not read)."""
+    for i, a in enumerate(argv):
+        if a in ("--hostfile", "-hostfile", "--machinefile", "-machinefile", "--default-hostfile"):
+            return True
+        if a in ("--host", "-host", "-H") and i + 1 < len(argv):
+            names = {h.split(":", 1)[0] for h in argv[i + 1].split(",") if h}
+            if len(names) > 1:
+                return True
+    return False
+
+
+def safe_coll_note(argv: Sequence[str]) -> str | None:
+    """The line the launcher prints when ranks span hosts with :data:`SAFE_COLL` in force: why, and how to
+    choose otherwise; None when they do not span hosts or the user chose the components."""
+    at = [i for i in range(len(argv) - 2) if tuple(argv[i : i + 3]) == SAFE_COLL]
+    if not at or not spans_hosts(argv):
+        return None
+    return (
+        "ranks span hosts: Open MPI's coll/han and coll/cuda are left out (--mca coll ^han,cuda; with han an "
+        "agreement can deadlock across nodes, Open MPI issue 13915). To choose the components yourself: "
+        "--mpi-arg=--mca --mpi-arg=coll --mpi-arg=LIST, or set OMPI_MCA_coll=LIST"
+    )
+
 
 def build_command(
     nprocs: int,
@@ -59,6 +107,7 @@ def build_command(
     slots: int | None = None,
     oversubscribe: bool = False,
     unbound: bool = False,
+    safe_coll: bool = True,
 ) -> list[str]:
     """The full ``mpiexec`` argv for ``nprocs`` ranks running ``command``.
 
@@ -68,6 +117,8 @@ def build_command(
     ``unbound`` adds ``--bind-to none``: inside a Slurm allocation with more tasks than CPUs
     (``sbatch -O``) the slots are the tasks, so Open MPI binds each rank to a core and fails
     ("binding more cpus than are available").
+    ``safe_coll`` adds :data:`SAFE_COLL` unless the user chose the collective components
+    (:func:`chooses_coll`).
     """
     if nprocs < 1:
         raise ValueError(f"-n must be >= 1, got {nprocs}")
@@ -79,6 +130,8 @@ def build_command(
     # --with-ft marks only the launched job recoverable; without the prtemca a replacement rank
     # (hot re-join spawns them) that dies or exits without MPI_Finalize would end the whole job.
     argv = [mpiexec or find_mpiexec(), "--with-ft", "ulfm", *RECOVERABLE_SPAWNS, "-n", str(nprocs)]
+    if safe_coll and not chooses_coll(extra):
+        argv += SAFE_COLL
     if hosts is not None:
         argv += ["--host", hosts]
     if nprocs > cores or oversubscribe:

@@ -13,7 +13,7 @@ import pytest
 
 from lightning_recover.cli import commands as cli
 from lightning_recover.cli.job_status import JobMarkers, final_words
-from lightning_recover.cli.mpiexec import build_command, detector_flags, find_mpiexec, launch_env
+from lightning_recover.cli.mpiexec import build_command, chooses_coll, detector_flags, find_mpiexec, launch_env, safe_coll_note, spans_hosts
 from lightning_recover.cli.runner import run_supervised
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +28,46 @@ def _mca(argv: list[str]) -> dict[str, str]:
 # ------------------------------------------------------------------------------ build_command
 def test_basic_command() -> None:
     argv = build_command(4, ["python", "train.py", "--lr", "1e-3"], cores=8, mpiexec=MPIEXEC)
-    assert argv == [MPIEXEC, "--with-ft", "ulfm", "--prtemca", "state_base_recoverable", "1", "-n", "4", "python", "train.py", "--lr", "1e-3"]
+    assert argv == [
+        MPIEXEC, "--with-ft", "ulfm", "--prtemca", "state_base_recoverable", "1", "-n", "4", "--mca", "coll", "^han,cuda",
+        "python", "train.py", "--lr", "1e-3",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "env", "coll"),
+    [
+        ((), {}, "^han,cuda"),  # the default, on one host as on several
+        (("--mca", "coll", "^cuda"), {}, "^cuda"),  # the user's own choice is kept, ours not added
+        (("-mca", "coll", "tuned,basic,self,libnbc,ftagree"), {}, "tuned,basic,self,libnbc,ftagree"),
+        ((), {"OMPI_MCA_coll": "^cuda"}, None),  # chosen in the environment: nothing on the command line overrides it
+    ],
+)
+def test_han_and_cuda_collectives_left_out_unless_the_user_chose(
+    monkeypatch: pytest.MonkeyPatch, extra: tuple[str, ...], env: dict[str, str], coll: str | None
+) -> None:
+    monkeypatch.delenv("OMPI_MCA_coll", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    argv = build_command(2, ["x"], cores=2, mpiexec=MPIEXEC, extra=extra)
+    values = [argv[i + 2] for i, a in enumerate(argv) if a in ("--mca", "-mca") and argv[i + 1] == "coll"]
+    assert values == ([] if coll is None else [coll]), argv
+    assert "--mca" not in build_command(2, ["x"], cores=2, mpiexec=MPIEXEC, safe_coll=False)
+
+
+def test_the_han_note_only_when_ranks_span_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMPI_MCA_coll", raising=False)
+    one = build_command(4, ["x"], mpiexec=MPIEXEC, hosts="a:4", slots=4)
+    two = build_command(4, ["x"], mpiexec=MPIEXEC, hosts="a:2,b:2", slots=4)
+    hostfile = build_command(4, ["x"], mpiexec=MPIEXEC, extra=["--hostfile", "hosts.txt"])
+    own = build_command(4, ["x"], mpiexec=MPIEXEC, hosts="a:2,b:2", slots=4, extra=["--mca", "coll", "^cuda"])
+    assert not spans_hosts(one) and spans_hosts(two) and spans_hosts(hostfile)
+    assert safe_coll_note(one) is None and safe_coll_note(own) is None
+    note = safe_coll_note(two)
+    assert note is not None and safe_coll_note(hostfile) == note
+    assert "13915" in note and "--mpi-arg=--mca --mpi-arg=coll --mpi-arg=LIST" in note and "OMPI_MCA_coll=LIST" in note
+    assert chooses_coll(["--mca", "coll", "^cuda"], {}) and chooses_coll([], {"OMPI_MCA_coll": "x"})
+    assert not chooses_coll(["--mca", "coll_tuned_use_dynamic_rules", "1"], {})
 
 
 @pytest.mark.parametrize(("n", "cores", "over"), [(1, 1, False), (2, 2, False), (3, 2, True), (4, 2, True), (16, 64, False), (65, 64, True)])
@@ -59,7 +98,7 @@ def test_no_detector_without_hang_timeout() -> None:
 @pytest.mark.parametrize(("timeout", "period"), [(4, "1"), (10, "1"), (2, "0.5"), (0.2, "0.1"), (0.1, "0.1")])
 def test_detector_flags_with_hang_timeout(timeout: float, period: str) -> None:
     argv = build_command(2, ["python", "t.py"], cores=2, mpiexec=MPIEXEC, hang_timeout=timeout)
-    mca = _mca(argv)
+    mca = {k: v for k, v in _mca(argv).items() if k != "coll"}
     assert mca == {
         "mpi_ft_detector": "true",
         "mpi_ft_detector_thread": "true",
