@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=5, help="repetitions per quantity (the median is kept)")
     p.add_argument("--steps", type=int, default=200, help="steady steps per repetition")
     p.add_argument("--ledger-steps", type=int, default=100_000, help="steps of the check-ledger run (W=32,768, B=262,144)")
-    p.add_argument("--dataset", type=int, default=1 << 24, help="samples in the planner's dataset (one sample a microbatch)")
+    p.add_argument("--dataset", type=int, default=10**9, help="samples in the planner's dataset (one sample a microbatch)")
     p.add_argument("--quick", action="store_true", help="small sizes and few steps (a smoke test)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)

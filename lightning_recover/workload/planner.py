@@ -7,6 +7,12 @@ a recovered run follow the fault-free loss trajectory exactly.
 
 Samples come from a seeded permutation per data epoch; each of the `shards` ranks of a
 replica reads its own disjoint slice of a microbatch. Pure Python + numpy, no torch.
+
+A dataset of up to :attr:`MicrobatchPlanner.IN_MEMORY_LIMIT` samples draws each epoch's
+permutation as an array (numpy's, every run so far). A larger one orders its samples with a
+keyed bijection computed per sample (a Feistel network over the next power of four, cycle-
+walked into range): an array of 10^9 samples would be 8 GB on every rank, and drawing it
+O(dataset) per epoch, which at B = 10^6 microbatches comes back every few steps.
 """
 
 from __future__ import annotations
@@ -37,11 +43,29 @@ def _int_arg(name: str, value: Any, minimum: int, fix: str) -> int:
     return v
 
 
+_M64 = (1 << 64) - 1
+
+
+def _feistel(x: int, half_bits: int, keys: tuple[int, ...]) -> int:
+    """A keyed bijection of [0, 4**half_bits): balanced Feistel rounds with a 64-bit mixing function."""
+    mask = (1 << half_bits) - 1
+    left, right = x >> half_bits, x & mask
+    for key in keys:
+        v = right ^ key
+        v = ((v ^ (v >> 31)) * 0x7FB5D329728EA185) & _M64
+        v = ((v ^ (v >> 27)) * 0x81DADEF4BC2DD44D) & _M64
+        v ^= v >> 33
+        left, right = right, left ^ (v & mask)
+    return (left << half_bits) | right
+
+
 class MicrobatchPlanner:
     """Maps global microbatch ids to per-shard dataset indices and per-microbatch seeds."""
 
     # Permutations kept in memory: the current epoch and its neighbour at a boundary.
     CACHE_EPOCHS = 2
+    #: Datasets larger than this are ordered per sample by a keyed bijection (see the module docstring).
+    IN_MEMORY_LIMIT = 1 << 24
 
     def __init__(
         self,
@@ -73,6 +97,11 @@ class MicrobatchPlanner:
         self.samples_per_epoch = self.microbatches_per_epoch * self.samples_per_microbatch
         self.next_id = 0
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._keyed = self.dataset_len > self.IN_MEMORY_LIMIT
+        self._keys: dict[int, tuple[int, ...]] = {}  # the bijection's round keys, per epoch
+        # The bijection's domain: 2 * half bits, the smallest power of four holding the dataset,
+        # so cycle-walking takes fewer than four rounds on average.
+        self._half_bits = max(1, ((self.dataset_len - 1).bit_length() + 1) // 2)
 
     # -- ids ---------------------------------------------------------------------------
 
@@ -123,8 +152,26 @@ class MicrobatchPlanner:
             )
         epoch, within = divmod(mb_id, self.microbatches_per_epoch)
         start = within * self.samples_per_microbatch + shard * self.microbatch_size
+        if self._keyed:
+            return self._keyed_order(epoch, start)
         perm = self._permutation(epoch)
         return perm[start : start + self.microbatch_size].tolist()
+
+    def _keyed_order(self, epoch: int, start: int) -> list[int]:
+        """The samples at positions start.. of ``epoch``'s order: a bijection of [0, dataset_len), O(1) per sample."""
+        keys = self._keys.get(epoch)
+        if keys is None:
+            if len(self._keys) >= self.CACHE_EPOCHS:
+                self._keys.pop(next(iter(self._keys)))
+            drawn = np.random.default_rng([self.seed, epoch]).integers(0, 1 << 62, size=4, dtype=np.uint64)
+            keys = self._keys[epoch] = tuple(int(k) for k in drawn)
+        out = []
+        for position in range(start, start + self.microbatch_size):
+            x = _feistel(position, self._half_bits, keys)
+            while x >= self.dataset_len:  # cycle-walk: a bijection of the domain stays one on [0, n)
+                x = _feistel(x, self._half_bits, keys)
+            out.append(x)
+        return out
 
     def rng_seed(self, mb_id: int, shard: int = 0) -> int:
         """Deterministic 63-bit seed for microbatch `mb_id` on shard rank `shard`.

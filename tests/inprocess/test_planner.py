@@ -187,3 +187,34 @@ def test_bad_shard():
     p = MicrobatchPlanner(100, B=2, microbatch_size=2, shards=2)
     with pytest.raises(ValueError, match="shard must be < shards=2, got 2"):
         p.sample_indices(0, 2)
+
+
+class _KeyedPlanner(MicrobatchPlanner):
+    """Orders every dataset with the keyed bijection (normally only those above IN_MEMORY_LIMIT)."""
+
+    IN_MEMORY_LIMIT = 0
+
+
+@given(D=st.integers(1, 3000), mbs=st.integers(1, 4), shards=st.integers(1, 3), seed=st.integers(0, 5))
+@settings(max_examples=60, deadline=None)
+def test_a_large_dataset_is_ordered_by_a_bijection_per_epoch(D: int, mbs: int, shards: int, seed: int) -> None:
+    per_mb = mbs * shards
+    if D < per_mb:
+        return
+    p = _KeyedPlanner(D, 1, mbs, shards=shards, seed=seed)
+    orders = []
+    for epoch in range(2):
+        seen = [i for m in range(p.microbatches_per_epoch) for s in range(shards)
+                for i in p.sample_indices(epoch * p.microbatches_per_epoch + m, s)]
+        # Every sample of the epoch's whole microbatches once, never one outside the dataset.
+        assert len(seen) == len(set(seen)) == p.samples_per_epoch and all(0 <= i < D for i in seen)
+        orders.append(seen)
+    if p.samples_per_epoch > 8:
+        assert orders[0] != orders[1], "each epoch draws its own order"
+
+
+def test_the_keyed_order_is_the_same_on_every_rank_and_after_a_resume() -> None:
+    a, b = _KeyedPlanner(10_000, 4, 2, seed=3), _KeyedPlanner(10_000, 4, 2, seed=3)
+    b.load_state_dict(a.state_dict())
+    assert [a.sample_indices(m, 0) for m in range(40)] == [b.sample_indices(m, 0) for m in range(40)]
+    assert MicrobatchPlanner(10**9, 1024, 8)._keyed and not MicrobatchPlanner(1 << 24, 1024, 8)._keyed
