@@ -25,8 +25,8 @@ view of a W-replica job (``python benchmarks/scale.py``; ``--quick`` for a smoke
 Times are the main thread's CPU seconds (``time.thread_time``: a busy machine does not
 inflate them; the ledger's fsync thread is off the step's critical path and not counted),
 the median of ``--reps`` repetitions. Each quantity gets its fitted growth ``t ~ W^k``
-(least squares on log-log). Results go to ``benchmarks/results/scale.json`` and
-:func:`fitted_costs` is what ``benchmarks/simulate.py`` reads. The last line is the headline:
+(least squares on log-log). Results go to ``benchmarks/results/scale.json``; its ``curves``
+(:func:`fitted_costs`: cost = a * W^k per quantity) are what ``benchmarks/simulate.py`` reads. The last line is the headline:
 steady rank step at 32,768 replicas over its cost at 64.
 """
 
@@ -36,6 +36,8 @@ import argparse
 import json
 import logging
 import math
+import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -299,11 +301,14 @@ def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / den if den else 0.0
 
 
-def fitted_costs(path: Path = RESULTS) -> dict[str, tuple[float, float]]:
-    """``{quantity: (a, k)}`` with cost = a * W^k seconds, from a scale.py result (for simulate.py)."""
-    rows = json.loads(path.read_text())["rows"]
+#: The quantities simulate.py takes per job size, fitted as cost = a * W^k seconds.
+CURVES = ("rank_step_s", "engine_loss_s", "engine_replan_s", "join64_s")
+
+
+def fitted_costs(rows: Sequence[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """``{quantity: (a, k)}`` with cost = a * W^k seconds, fitted on the rows' medians."""
     out: dict[str, tuple[float, float]] = {}
-    for key in ("rank_step_s", "engine_loss_s", "engine_replan_s", "join64_s"):
+    for key in CURVES:
         xs, ys = [r["W"] for r in rows], [r[key] for r in rows]
         k = fit_exponent(xs, ys)
         a = statistics.fmean(y / x**k for x, y in zip(xs, ys))
@@ -367,7 +372,10 @@ def main(argv: list[str] | None = None) -> int:
               f"(written in {made:.1f} s); check-ledger {check_s:.2f} s ({check_s * per:.1f} s per 10^5 steps), "
               f"report {report_s:.2f} s; {verdict.summary_line()}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": rows, "fits": fits, "ledger": {
+    provenance = {"command": "python benchmarks/scale.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
+                  f"Python {platform.python_version()}", "cpu_time": "main-thread CPU seconds (time.thread_time), median of --reps"}
+    args.out.write_text(json.dumps({"provenance": provenance, "rows": rows, "fits": fits, "curves": fitted_costs(rows), "ledger": {
         "W": W_l, "B": W_l * G_l, "steps": args.ledger_steps, "bytes_per_line": size / args.ledger_steps,
         "check_s_per_1e5": check_s * per, "report_s_per_1e5": report_s * per}}, indent=1))
     by_W = {r["W"]: r for r in rows}

@@ -32,7 +32,7 @@ def test_scale_quick_measures_every_size_and_prints_the_ratio_last(tmp_path: Pat
     for row in result["rows"]:
         assert all(row[key] > 0 for key, *_ in scale.COLUMNS), row
         assert row["steady_line_bytes"] < 1024 and row["change_line_bytes"] < 1024, row
-    fits = scale.fitted_costs(out)
-    assert set(fits) == {"rank_step_s", "engine_loss_s", "engine_replan_s", "join64_s"}
+    fits = {k: tuple(v) for k, v in result["curves"].items()}
+    assert set(fits) == {"rank_step_s", "engine_loss_s", "engine_replan_s", "join64_s"} and fits == scale.fitted_costs(result["rows"])
     a, k = fits["engine_loss_s"]
     assert a > 0 and abs(a * 2048**k - result["rows"][-1]["engine_loss_s"]) < 10 * result["rows"][-1]["engine_loss_s"]
