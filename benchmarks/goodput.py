@@ -61,6 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import launch, wait_quiet  # noqa: E402
 from proctree import become_subreaper  # noqa: E402
 
+from lightning_recover.audit.ledger import resolve  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "goodput.json"
 WORLD = 4
@@ -143,7 +145,7 @@ def run_recover(
 ) -> dict:
     schedule = [{"step": k["step"], "rank": k["rank"], "phase": "backward", "kind": "kill"} for k in faults]
     res = gated_launch(args, job_args(args, policy) + ["--faults", json.dumps(schedule), *extra], outdir)
-    ledger = read_jsonl(outdir / "ledger.jsonl")
+    ledger = list(resolve(read_jsonl(outdir / "ledger.jsonl")))  # every step's replicas, from compact lines too
     by_step = {d["step"]: d for d in ledger}
     steps = sorted(by_step)
     ok = res["rc"] == 0 and len(steps) == args.steps

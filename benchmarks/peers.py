@@ -74,6 +74,8 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from proctree import ProcessTree, _cmdline, become_subreaper, read_env  # noqa: E402
 
+from lightning_recover.audit.ledger import microbatch_ids, resolve  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "benchmarks" / "bench_job.py"
 WORKER = ROOT / "benchmarks" / "peers_torchft_worker.py"
@@ -291,7 +293,7 @@ def run_recover(args: argparse.Namespace, name: str, outdir: Path, *, rejoin: bo
     lines += ledger.read()
     run.kills = killer.fired
     clock = _read_json(outdir / "clock.json")
-    by_step = {d["step"]: d for d in lines}
+    by_step = {d["step"]: d for d in resolve(lines)}  # every step's replicas and roles, from compact lines too
     if clock and by_step:
         # Commit times: rank 0's StepClock (bench_job.py), anchored at its fit start.
         ends = [clock["wall_fit_start"] + clock["first_step_s"]]
@@ -299,7 +301,7 @@ def run_recover(args: argparse.Namespace, name: str, outdir: Path, *, rejoin: bo
             ends.append(ends[-1] + dt)
         for i, s in enumerate(sorted(by_step)):
             d = by_step[s]
-            ids = d["microbatch_ids"]
+            ids = microbatch_ids(d)
             roles = d.get("roles") or {}
             contributing = [r for r in d["replicas"] if "spare" not in str(roles.get(str(r), roles.get(r, "")))]
             run.steps[s] = Step(t=ends[i] if i < len(ends) else float("nan"), loss=d["loss"], batch=d["committed"],

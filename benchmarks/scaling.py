@@ -312,8 +312,9 @@ def ledger_line(B: int, W: int, fault: bool, path: Path) -> dict[str, Any]:
         writer.write(record)
         write_s = time.perf_counter() - t0
     line = path.read_bytes()
-    ids = len(json.dumps(record["microbatch_ids"]))
-    roles = len(json.dumps(record["roles"]))
+    # The compact line (issue 33): the ids as ranges, the membership once per change, the roles a loss changed.
+    ids = len(json.dumps(record["ids"]))
+    roles = len(json.dumps({k: record[k] for k in ("members", "role_changes", "died") if k in record}))
     return {"B": B, "W": W, "G": B // W, "fault": fault, "bytes": len(line), "microbatch_ids_bytes": ids,
             "roles_bytes": roles, "write_s": write_s}
 

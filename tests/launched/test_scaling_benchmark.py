@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.benchmark_scripts import benchmarks_on_path
+from lightning_recover.audit.ledger import microbatch_ids, read_ledger
 
 benchmarks_on_path()  # benchmarks/ is a folder of scripts, not a package: its modules import by file name
 
@@ -40,7 +41,8 @@ def test_planning_and_ledger_rows_are_measured_by_the_package() -> None:
 def test_ledger_line_holds_every_id_of_the_step(tmp_path: Path) -> None:
     row = scaling.ledger_line(64, 8, True, tmp_path / "l.jsonl")
     line = json.loads((tmp_path / "l.jsonl").read_text())
-    assert line["microbatch_ids"] == list(range(64)) and line["faults"] == [4]
+    assert microbatch_ids(line) == list(range(64)) and line["ids"] == [[0, 64]] and line["faults"] == [4]
+    assert read_ledger(tmp_path / "l.jsonl")[0]["replicas"] == [0, 1, 2, 3, 5, 6, 7]
     assert row["bytes"] == len((tmp_path / "l.jsonl").read_bytes()) and row["G"] == 8
 
 
