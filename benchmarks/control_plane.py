@@ -14,9 +14,12 @@ operations whatever the cores.
 Printed, per N: the per-rank tally of one steady step (checked identical on every rank,
 every steady step, and the step after the repair), of ``repair()``, of the whole faulty
 step and of the communicator's start-up; then the fitted growth ``bytes ~ a * n^k`` of
-each (least squares on log-log, ``benchmarks/scaling.py``'s fit) and, last, the headline:
-steady-step calls and bytes per rank at the smallest and largest N, and the exponents.
-Results go to ``benchmarks/results/control_plane.json``.
+each (least squares on log-log, ``benchmarks/scaling.py``'s fit), the repair's bytes fitted
+against the n - 1 survivors it works on and per added rank (at most linear: that never
+grows) and, last, the headline: steady-step calls and bytes per rank at the smallest and
+largest N, and the exponents. The exit status is 1 when a size failed, the steady step's
+tally differs between sizes, or the repair's bytes grow faster than linearly. Results go
+to ``benchmarks/results/control_plane.json``.
 
 The extrapolation to 100k ranks (ULFM's agreement and shrink as published) is
 ``benchmarks/control_plane_model.py``; docs/benchmarks.md has both.
@@ -178,6 +181,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {ph:<8} calls n^{k[ph]['calls']:.2f}   sent n^{k[ph]['sent']:.2f}   recv n^{k[ph]['recv']:.2f}")
     constant = all(pt["steady_tally"] == points[0]["steady_tally"] for pt in points)
     repair_bytes_k = max(k["repair"]["sent"], k["repair"]["recv"])
+    # A repair works on the n - 1 survivors: its bytes fitted against them, and per added rank.
+    ns = [p["ranks"] for p in points]
+    repair_b = [p["per_rank"]["repair"]["sent"] + p["per_rank"]["repair"]["recv"] for p in points]
+    k_survivors = fit_power([n - 1 for n in ns], [max(b, 1e-9) for b in repair_b])[1]
+    marginal = [(b1 - b0) / (n1 - n0) for (n0, b0), (n1, b1) in zip(zip(ns, repair_b), zip(ns[1:], repair_b[1:]))]
+    # At most linear: the bytes each added rank costs never grow (a superlinear term would make them).
+    linear = all(m1 <= m0 * 1.05 + 1e-9 for m0, m1 in zip(marginal, marginal[1:]))
+    print(f"  repair bytes (sent + received) per rank vs survivors n-1: n^{k_survivors:.2f}; per added rank: "
+          + ", ".join(f"{m:.1f} B" for m in marginal) + f" ({'at most linear' if linear else 'SUPERLINEAR'})")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "what": "MPI calls and payload bytes per rank (benchmarks/mpi_counter.py) per steady step, repair(), faulty step, start-up",
@@ -186,15 +198,18 @@ def main(argv: list[str] | None = None) -> int:
         "points": points,
         "failed": failed,
         "fits": k,
+        "repair_bytes_vs_survivors_k": k_survivors,
+        "repair_bytes_per_added_rank": marginal,
+        "repair_at_most_linear": linear,
         "steady_constant": constant,
     }, indent=2) + "\n")
     lo, hi = points[0], points[-1]
     c_lo, s_lo, _ = totals(lo["steady_tally"])
     c_hi, s_hi, _ = totals(hi["steady_tally"])
     print(f"steady step per rank {lo['ranks']} -> {hi['ranks']} ranks: {c_lo} -> {c_hi} MPI calls, {s_lo} -> {s_hi} B sent "
-          f"({'constant' if constant else 'NOT constant'}, ratio {s_hi / s_lo:.2f}); repair bytes per rank ~ n^{repair_bytes_k:.2f}, "
-          f"repair calls ~ n^{k['repair']['calls']:.2f}")
-    return 1 if failed or not constant else 0
+          f"({'constant' if constant else 'NOT constant'}, ratio {s_hi / s_lo:.2f}); repair bytes per rank ~ n^{repair_bytes_k:.2f} "
+          f"(vs survivors ^{k_survivors:.2f}, {'at most linear' if linear else 'SUPERLINEAR'}), repair calls ~ n^{k['repair']['calls']:.2f}")
+    return 1 if failed or not constant or not linear else 0
 
 
 if __name__ == "__main__":

@@ -165,6 +165,8 @@ class FaultTolerantComm(Collectives):
         # The group logical ranks are translated through, and each of its ranks' logical rank.
         self._base_group: MPI.Group | None = None
         self._ids: tuple[int, ...] = ()
+        # members of the world they were computed for, with the ids they were translated through.
+        self._members_of: tuple[object, tuple[int, ...], tuple[int, ...]] | None = None
         # Where every rank runs and which process it is, so a rank declared dead while
         # merely hung can be fenced off without ever hitting a recycled pid.
         self._procs: dict[int, tuple[str, int, str | None]] = {}
@@ -277,8 +279,14 @@ class FaultTolerantComm(Collectives):
     # ------------------------------------------------------------------ membership
     @property
     def members(self) -> tuple[int, ...]:
-        """Original world ranks in the current world communicator."""
-        return self._orig_ranks(self.world)
+        """Original world ranks in the current world communicator.
+
+        Kept per world: every step reads it (the header's count), and translating n ranks
+        each time would cost O(n) per step on every rank (benchmarks/control_plane.py)."""
+        key = (self.world, self._ids)
+        if self._members_of is None or self._members_of[0] is not key[0] or self._members_of[1] is not key[1]:
+            self._members_of = (key[0], key[1], self._orig_ranks(self.world))
+        return self._members_of[2]
 
     @property
     def world_rank(self) -> int:
@@ -498,7 +506,11 @@ class FaultTolerantComm(Collectives):
             try:
                 # Both splits are taken on `shrunk`, so one rank's Revoke releases everyone. The
                 # world keeps its order (Shrink does too): the leader moves only when it is lost.
-                world = shrunk.Split(0 if mine_ok else MPI.UNDEFINED, shrunk.Get_rank())
+                # When every present rank's replica is whole (every survivor computes the same
+                # `present`) the world is `shrunk` itself: a split would all-gather every
+                # member's (color, key), O(n) bytes per rank, to select all of them.
+                whole = len(keep) == len(self.layout.replicas_touched(present))
+                world = shrunk if whole else shrunk.Split(0 if mine_ok else MPI.UNDEFINED, shrunk.Get_rank())
                 shard = shrunk.Split(self.shard if mine_ok else MPI.UNDEFINED, self.replica)
             except MPI.Exception:
                 ok = 0
