@@ -3,6 +3,7 @@
   __main__     ``python -m lightning_recover.cli``: the same as the ``lightning-recover`` command
   commands     lightning-recover launch | check-ledger | report
   launcher     lightning-recover launch: the job once, or supervised with relaunches from a checkpoint
+  console      what of the job's output reaches the console: Open MPI's NBC error lines left out, counted
   mpiexec      the mpiexec command line and environment that switch ULFM on
   runner       mpiexec in its own session, always ended: stuck aborts, finished worlds, stalls, signals
   job_status   the ranks' markers read back: the job's exit status and the launcher's last line

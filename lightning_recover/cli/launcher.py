@@ -24,9 +24,10 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from lightning_recover.cli.console import ConsoleFilter, summary
 from lightning_recover.cli.hosts import local_host_names, probe_unreachable
 from lightning_recover.cli.job_status import JobMarkers, final_words
 from lightning_recover.cli.mpiexec import build_command, launch_env, safe_coll_note
@@ -87,10 +88,11 @@ def launch(
         where = tempfile.TemporaryDirectory(prefix="lightning-recover-status-")
     with where as status_dir:
         env[ENV_STATUS_DIR] = status_dir
-        status = run_supervised(
-            argv, env, nprocs=nprocs if here else None, finished=lambda: JobMarkers.read(status_dir).over(nprocs),
-            refused=lambda: JobMarkers.read(status_dir).refused,
-        )
+        with _console(functools.partial(print, file=sys.stderr, flush=True)) as (stdout, stderr):
+            status = run_supervised(
+                argv, env, nprocs=nprocs if here else None, finished=lambda: JobMarkers.read(status_dir).over(nprocs),
+                refused=lambda: JobMarkers.read(status_dir).refused, stdout=stdout, stderr=stderr,
+            )
         status, words = final_words(JobMarkers.read(status_dir), nprocs, status)
     if words is not None:
         print(f"[lightning-recover] {words}", file=sys.stderr, flush=True)
@@ -139,20 +141,47 @@ class _Tee(threading.Thread):
     def __init__(self, fd: int, sink: object) -> None:
         super().__init__(daemon=True)
         self.fd, self.sink, self.tail = fd, sink, b""
+        #: Leaves out Open MPI's internal NBC error lines, and counts them (lightning_recover.cli.console).
+        self.filter = ConsoleFilter()
 
     def run(self) -> None:
-        out = getattr(self.sink, "buffer", None)
         while chunk := os.read(self.fd, 65536):
             self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
-            try:
-                if out is not None:
-                    out.write(chunk)
-                else:
-                    self.sink.write(chunk.decode("utf-8", "replace"))  # type: ignore[attr-defined]
-                self.sink.flush()  # type: ignore[attr-defined]
-            except (OSError, ValueError):
-                pass
+            self._show(self.filter.feed(chunk))
+        self._show(self.filter.flush())
         os.close(self.fd)
+
+    def _show(self, data: bytes) -> None:
+        if not data:
+            return
+        out = getattr(self.sink, "buffer", None)
+        try:
+            if out is not None:
+                out.write(data)
+            else:
+                self.sink.write(data.decode("utf-8", "replace"))  # type: ignore[attr-defined]
+            self.sink.flush()  # type: ignore[attr-defined]
+        except (OSError, ValueError):
+            pass
+
+
+@contextlib.contextmanager
+def _console(say: Callable[[str], None]) -> Iterator[tuple[int, int]]:
+    """mpiexec's stdout and stderr write ends, copied to ours through :class:`_Tee` (NBC lines left out);
+    at the end, one line says how many were left out."""
+    pipes = [os.pipe(), os.pipe()]
+    tees = [_Tee(r, sink) for (r, _), sink in zip(pipes, (sys.stdout, sys.stderr))]
+    for t in tees:
+        t.start()
+    try:
+        yield pipes[0][1], pipes[1][1]
+    finally:
+        for _, w in pipes:
+            os.close(w)
+        for t in tees:
+            t.join(10)  # a rank elsewhere that still holds the pipe must not hold the launcher
+        if (line := summary(sum(t.filter.dropped for t in tees))) is not None:
+            say(f"[lightning-recover] {line}")
 
 
 class _Progress:
@@ -316,6 +345,8 @@ def supervise(
                     os.close(w)
                 for t in tees:
                     t.join(10)  # a rank elsewhere that still holds the pipe must not hold the supervisor
+            if (line := summary(sum(t.filter.dropped for t in tees))) is not None:
+                say(f"[lightning-recover] supervise: attempt {relaunches + 1}: {line}")
             t_end = time.time()
             progress.poll()
             if interrupted:

@@ -30,6 +30,7 @@ import copy
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -79,6 +80,16 @@ def remove_checkpoint_files(path: str | os.PathLike[str]) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
+#: What DCP warns on every call without a process group (one shard rank per replica writes alone, on purpose).
+_SINGLE_PROCESS_DCP = r"torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) in a single process"
+
+
+def quiet_single_process_dcp() -> None:
+    """Leave out DCP's warning that a save or load without a process group runs in a single process: with one
+    shard rank per replica that is the design, and the warning came once per rank and checkpoint."""
+    warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_DCP)
+
+
 class CheckpointWriter:
     """Saves (synchronously or in the background) and loads checkpoints of one rank; see the module docstring.
 
@@ -105,6 +116,7 @@ class CheckpointWriter:
         self.async_save, self.consolidate = async_save, consolidate
         self.pointer_dir = Path(os.path.abspath(pointer_dir)) if pointer_dir is not None else None
         self.fault_point = fault_point
+        quiet_single_process_dcp()
         self._group: Any = None
         self._pending: Future[None] | None = None
         self._deferred: list[str] = []

@@ -66,7 +66,9 @@ from lightning_recover.strategies.sharding import (
 from lightning_recover.strategies.step_logging import StepLogging
 from lightning_recover.strategies.steps import TrainingSteps
 from lightning_recover.strategies.train_loader import ticket_loader
-from lightning_recover.strategies.trainer_setup import DEFAULT_CALLBACKS, install_callbacks, job_host, validate_trainer
+from lightning_recover.strategies.trainer_setup import (
+    DEFAULT_CALLBACKS, install_callbacks, job_host, quiet_console, quiet_fence_warnings, validate_trainer,
+)
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -101,6 +103,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         # A bad setting in a launched rank: one line and exit status 2, not a traceback per rank.
         install_refusal_hook()
         super().__init__(cluster_environment=ReplicaEnvironment())
+        quiet_console(self.cluster_environment.global_rank())  # type: ignore[union-attr]  # before the Trainer's banner
         #: The running job: communicator, policy, engine, watchdog, ledger, recruiter (:mod:`~lightning_recover.recovery.job`).
         self.job = RecoveryJob(RecoverConfig.build(config, **settings))
         self._replica_collectives: tuple[Any, ...] = ()
@@ -228,6 +231,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
                 self.job.start_replacement(joining, host)
                 StepLogging.take_logger_versions(trainer, joining.seat.context.get("logger_versions", []))
         _lightning.no_distributed_sampler(trainer)
+        quiet_fence_warnings(self.config)
         install_callbacks(trainer, self.config)
         super().setup_environment()
         if self._device_mesh is None:

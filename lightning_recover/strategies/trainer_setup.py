@@ -9,15 +9,25 @@
 * :func:`job_host`: what the :class:`~lightning_recover.recovery.job.RecoveryJob` gets of
   Lightning (the trainer's callbacks, step and loggers; the strategy's device, gates and
   end), so the job itself imports no Lightning.
+* :func:`quiet_console`, :func:`quiet_fence_warnings`: Lightning's console says what the
+  user needs once, not once per rank, and nothing the strategy itself causes (its advice to
+  start with ``srun``, which the strategy refuses; "Checkpoint directory ... exists and is not
+  empty" when only the strategy's write fence is there).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
+from lightning_recover.audit.fence import FENCE_NAME
 from lightning_recover.callbacks import (
     BoundaryScheduler,
     BufferSync,
@@ -50,7 +60,7 @@ class SetupHost(Protocol):
     def evaluating_batch(self) -> bool: ...
     def shutdown(self, exit_code: int | None = None) -> None: ...
 
-__all__ = ["DEFAULT_CALLBACKS", "install_callbacks", "job_host", "validate_trainer"]
+__all__ = ["DEFAULT_CALLBACKS", "install_callbacks", "job_host", "quiet_console", "quiet_fence_warnings", "validate_trainer"]
 
 #: The protocol's own callbacks, installed when the user did not pass configured ones.
 DEFAULT_CALLBACKS = (ReductionBuffers, EpochCheck, BoundaryScheduler, BufferSync)
@@ -105,3 +115,42 @@ def job_host(
         init_replica_group=init_replica_group,
         end_of_job=strategy.shutdown,
     )
+
+
+#: Lightning's advice when an ``srun`` binary is on the PATH but did not start this process
+#: (``SLURMEnvironment._validate_srun_used``): the strategy refuses a direct srun start
+#: (:mod:`lightning_recover.runtime.slurm`), so the advice would lead the user astray.
+SRUN_ADVICE = r"The `srun` command is available on your system but is not used"
+
+
+def quiet_console(rank: int) -> None:
+    """Before the Trainer exists: Lightning's rank-zero messages (its "GPU available" banner, tips) print on
+    this launch rank's rank zero only, and its srun advice is left out.
+
+    Lightning guesses the rank at import from torchrun's and Slurm's variables, none of which
+    mpiexec sets, so every rank believed it was rank zero until the strategy's setup.
+    """
+    rank_zero_only.rank = fabric_rank_zero_only.rank = rank
+    warnings.filterwarnings("ignore", message=SRUN_ADVICE)
+
+
+def quiet_fence_warnings(config: RecoverConfig) -> None:
+    """ModelCheckpoint's "Checkpoint directory D exists and is not empty" is left out for each directory
+    the job fences that holds nothing but the write fence (:mod:`lightning_recover.audit.fence`).
+
+    The fenced directories are the ledger's and ``recover.checkpoint.dir``
+    (:meth:`lightning_recover.recovery.job.RecoveryJob.start`). The fence is written when the
+    job starts, before ModelCheckpoint's setup looks at its directory; a directory with
+    anything else in it (an earlier run's checkpoints) still warns."""
+    directories = [os.path.dirname(os.path.abspath(config.ledger_path))] if config.ledger_path is not None else []
+    if config.checkpoint.dir is not None:
+        directories.append(config.checkpoint.dir)
+    for directory in directories:
+        try:
+            entries = os.listdir(directory)
+        except OSError:
+            continue
+        if entries != [FENCE_NAME]:
+            continue
+        for form in {os.fspath(directory), os.path.realpath(directory), os.path.abspath(directory)}:
+            warnings.filterwarnings("ignore", message=f"Checkpoint directory {re.escape(form)} exists and is not empty")
