@@ -485,6 +485,9 @@ class ModelParams:
     # ReCoVer's own join pause (measured from a ledger); None: the assumed rejoin_pause_s,
     # which AdaptiveWorld always uses.
     recover_rejoin_pause_s: float | None = None
+    # FT-HSDP (Meta): its published stall per failure (3 minutes at 100k GPUs); the batch
+    # shrinks while a replica is away, as AdaptiveWorld's.
+    ft_hsdp_pause_s: float = 180.0
 
     def __post_init__(self) -> None:
         _check_time("gpu_mtbf_s", self.gpu_mtbf_s, positive=True, allow_inf=True)
@@ -495,6 +498,7 @@ class ModelParams:
         _check_time("adaptive_pause_s", self.adaptive_pause_s)
         _check_time("repair_s", self.repair_s, allow_inf=True)
         _check_time("rejoin_pause_s", self.rejoin_pause_s)
+        _check_time("ft_hsdp_pause_s", self.ft_hsdp_pause_s)
         if self.recover_rejoin_pause_s is not None:
             _check_time("recover_rejoin_pause_s", self.recover_rejoin_pause_s)
         if self.interval not in ("young", "daly"):
@@ -548,6 +552,8 @@ class JobResult:
     recover_no_rejoin_estimate: float
     failures_per_run: float
     extra: dict[str, Any] = field(default_factory=dict)
+    #: FT-HSDP: ``ft_hsdp_pause_s`` per failure, a shrinking batch (None when not simulated).
+    ft_hsdp: Stat | None = None
 
     @property
     def ratio(self) -> float:
@@ -588,8 +594,14 @@ def simulate_job(gpus: int, params: ModelParams, wall_s: float, reps: int, seed:
     tau = checkpoint_interval(params.interval, params.checkpoint_s, m_job)
     thr = quantised_throughput(params.grad_accum) if params.grad_accum else fluid_throughput
     rejoins = not math.isinf(params.repair_s)
-    cr, aw, rc, rc_shrink = [], [], [], []
+    cr, aw, rc, rc_shrink, ft = [], [], [], [], []
     for rep in range(reps):
+        ft.append(
+            simulate_replicas(
+                w, g, params.gpu_mtbf_s, params.ft_hsdp_pause_s, params.repair_s, params.rejoin_pause_s,
+                wall_s, make_rng(seed, "ft", gpus, rep),
+            )
+        )
         cr.append(
             simulate_checkpoint_restart(
                 m_job, tau, params.checkpoint_s, params.restart_s, wall_s, make_rng(seed, "cr", gpus, rep)
@@ -644,6 +656,7 @@ def simulate_job(gpus: int, params: ModelParams, wall_s: float, reps: int, seed:
         recover_no_rejoin=Stat.of([r.goodput for r in rc_shrink]),
         recover_no_rejoin_estimate=est_shrink if params.grad_accum == 0 else math.nan,
         failures_per_run=statistics.fmean(r.failures for r in rc),
+        ft_hsdp=Stat.of([r.goodput for r in ft]),
         extra={
             "checkpoint_restart_failures_per_run": statistics.fmean(r.failures for r in cr),
             "checkpoint_restart_restart_s_per_run": statistics.fmean(r.restarts_s for r in cr),

@@ -1,4 +1,4 @@
-"""Discrete-event goodput simulator: checkpoint-restart vs AdaptiveWorld vs ReCoVer at 1k-100k GPUs.
+"""Discrete-event goodput simulator: checkpoint-restart, torchft-like, FT-HSDP and ReCoVer at 1k-100k GPUs.
 
 Run it as ``python benchmarks/simulate.py`` (about a second; no MPI, torch or GPU needed).
 The model lives in ``benchmarks/goodput_model.py``; its docstring states every assumption.
@@ -12,15 +12,25 @@ wall time (default 30), repeated ``--reps`` times (default 20), we compare
   ``delta`` (``--checkpoint-min``, default 1: a blocking write of a large model's sharded
   state at scale; asynchronous checkpointing would be seconds). The table also gives Daly's
   higher-order closed form for the same tau, which the simulation matches in expectation.
-* **AdaptiveWorld** (torchft-like): each failure stalls the job for the detection timeout
-  (``--adaptive-timeout-s``, default 60), then it trains on with fewer replicas and a smaller
-  global batch. Goodput counts every sample it trains on; its batch drift is reported as the
-  share of steps at the target batch and the smallest batch fraction seen.
-* **ReCoVer**: each failure stalls the job for the measured per-fault pause (``--pause-s``,
-  default 0.05 s, or ``--pause-from LEDGER.jsonl``: the mean nonzero ``recovery_s`` of the
-  faulted steps of a lightning-recover step ledger); B stays constant, so while replicas are
-  down the survivors' steps take ``W / W_cur`` longer (``--grad-accum G`` quantises this).
-  Two ReCoVer systems are simulated on the same failures:
+* **torchft-like** (AdaptiveWorld): each failure stalls the job for the detection timeout
+  (``--adaptive-timeout-s``, default 5: torchft's lighthouse heartbeat timeout), then it
+  trains on with fewer replicas and a smaller global batch. Goodput counts every sample it
+  trains on; its batch drift is reported as the share of steps at the target batch and the
+  smallest batch fraction seen.
+* **FT-HSDP** (Meta): its published stall of 3 minutes per failure at 100k GPUs
+  (``--ft-hsdp-pause-s``, applied at every size), a batch that shrinks as torchft's.
+* **ReCoVer**: each failure stalls the job for its per-fault pause, and every step pays the
+  protocol's fault-free overhead; both are computed **per job size from measurements**:
+  the rank's bookkeeping from ``benchmarks/scale.py``'s fitted curves (``--scale-from``: a
+  steady step, a lost replica's step and the re-plan that follows, ``a * W^k`` at W
+  replicas) plus the control plane from ``benchmarks/control_plane_model.py`` (the MPI calls
+  ``control_plane.py`` counted, timed by the published ULFM agreement, revoke and detection
+  measurements, extrapolated in log n). ``--pause-s`` or ``--pause-from LEDGER.jsonl`` (the
+  mean nonzero ``recovery_s`` of a lightning-recover ledger's faulted steps) replace the
+  control plane's share of the pause by a number measured at this machine's size; the
+  bookkeeping's growth is still added. The inputs of every size are printed. B stays
+  constant, so while replicas are down the survivors' steps take ``W / W_cur`` longer
+  (``--grad-accum G`` quantises this). Two ReCoVer systems are simulated on the same failures:
 
   - **without re-join**: lost replicas never come back (the ReCoVer paper, and a
     lightning-recover job without ``recover.rejoin``), so they accumulate over the window;
@@ -44,6 +54,7 @@ with re-join.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -55,6 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run from a fresh clone without installing the package
     sys.path.insert(0, str(ROOT))
 
+import control_plane_model  # noqa: E402
 from goodput_model import (  # noqa: E402
     DAY,
     HOUR,
@@ -66,6 +78,8 @@ from goodput_model import (  # noqa: E402
 )
 
 RESULTS = ROOT / "benchmarks" / "results"
+#: scale.py's result kept with the code (its provenance inside); a fresh run's results/scale.json wins.
+MEASURED_SCALE = ROOT / "benchmarks" / "measured" / "scale.json"
 DEFAULT_SIZES = [1024, 4096, 16384, 32768, 100_000]
 
 
@@ -87,7 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        metavar="LEDGER.jsonl",
                        help="take ReCoVer's pauses from a step ledger: per fault, the mean nonzero recovery_s of "
                             "faulted steps; per join, the median pause_s of its joins (none: --rejoin-pause-s)")
-    p.add_argument("--adaptive-timeout-s", type=float, default=60.0, help="AdaptiveWorld per-fault pause (detection timeout)")
+    p.add_argument("--adaptive-timeout-s", type=float, default=5.0,
+                   help="torchft-like (AdaptiveWorld) per-fault pause: the lighthouse heartbeat timeout")
+    p.add_argument("--ft-hsdp-pause-s", type=float, default=180.0, help="FT-HSDP's stall per failure (published at 100k GPUs)")
+    p.add_argument("--scale-from", type=Path, default=None,
+                   help="scale.py's result (default: benchmarks/results/scale.json if present, else benchmarks/measured/scale.json)")
+    p.add_argument("--step-s", type=float, default=5.0, help="a fault-free training step's time, which the protocol's overhead adds to")
     p.add_argument("--repair-min", type=float, default=30.0,
                    help="minutes until a lost replica's replacement joins, for AdaptiveWorld and ReCoVer with "
                         "re-join (inf: never; ReCoVer without re-join always uses inf)")
@@ -110,11 +129,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"{flag} must be {need} (got {value})")
 
     for flag, v in (("--gpu-mtbf-h", args.gpu_mtbf_h), ("--checkpoint-min", args.checkpoint_min),
-                    ("--days", args.days)):
+                    ("--days", args.days), ("--step-s", args.step_s)):
         if math.isnan(v) or v <= 0:
             bad(flag, v, "> 0")
     for flag, v in (("--restart-min", args.restart_min), ("--adaptive-timeout-s", args.adaptive_timeout_s),
-                    ("--repair-min", args.repair_min), ("--rejoin-pause-s", args.rejoin_pause_s)):
+                    ("--repair-min", args.repair_min), ("--rejoin-pause-s", args.rejoin_pause_s),
+                    ("--ft-hsdp-pause-s", args.ft_hsdp_pause_s)):
         if math.isnan(v) or v < 0:
             bad(flag, v, ">= 0")
     for flag, v in (("--checkpoint-min", args.checkpoint_min), ("--days", args.days),
@@ -156,13 +176,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                        f"in {args.pause_from}")
     else:
         args.pause_steps = None
-        if args.pause_s is None:
-            args.pause_s = 0.05
-            args.pause_source = "default, assumed; measure it with --pause-from LEDGER"
-        else:
-            args.pause_source = "--pause-s"
+        args.pause_source = "control-plane model (benchmarks/control_plane_model.py)" if args.pause_s is None else "--pause-s"
         args.rejoin_pause_source = "--rejoin-pause-s, assumed; measure it with --pause-from LEDGER of a re-join run"
+    if args.scale_from is None:
+        fresh = RESULTS / "scale.json"
+        args.scale_from = fresh if fresh.is_file() else MEASURED_SCALE
+    try:
+        args.fits = fitted_costs(args.scale_from)
+    except (OSError, ValueError, KeyError) as exc:
+        p.error(f"--scale-from {args.scale_from}: {exc}; run python benchmarks/scale.py to measure it")
     return args
+
+
+def fitted_costs(path: Path) -> dict[str, tuple[float, float]]:
+    """``{quantity: (a, k)}``, cost = a * W^k seconds at W replicas: a scale.py result's ``curves``."""
+    curves = json.loads(Path(path).read_text())["curves"]
+    return {key: (float(a), float(k)) for key, (a, k) in curves.items()}
+
+
+def measured_inputs(gpus: int, args: argparse.Namespace) -> dict[str, float]:
+    """ReCoVer's per-fault pause and per-step overhead at ``gpus`` GPUs, and what they rest on."""
+    W = gpus // args.gpus_per_replica
+
+    def book(key: str) -> float:
+        a, k = args.fits[key]
+        return a * W**k
+
+    control_pause = control_plane_model.fault_pause_seconds(gpus, failed=args.gpus_per_replica)
+    base = control_pause if args.pause_s is None else args.pause_s
+    bookkeeping_loss = book("engine_loss_s") + book("engine_replan_s")
+    step_extra = book("rank_step_s") + control_plane_model.steady_step_seconds(gpus)
+    return {
+        "gpus": gpus,
+        "replicas": W,
+        "pause_s": base + bookkeeping_loss,
+        "control_plane_pause_s": control_pause,
+        "bookkeeping_loss_s": bookkeeping_loss,
+        "step_overhead_s": step_extra,
+        "overhead": min(0.99, args.recover_overhead + step_extra / args.step_s),
+    }
 
 
 def size_label(n: int) -> str:
@@ -195,20 +247,31 @@ def _jsonable(x: Any) -> Any:
 
 
 def table(rows: list[JobResult]) -> list[str]:
-    head1 = (f"{'':>7} {'':>6} {'':>9} {'':>8} | {'':>6} {'':>6} | {'':>6} {'':>8} {'':>7} {'':>6} | "
+    head1 = (f"{'':>7} {'':>6} {'':>9} {'':>8} | {'':>6} {'':>6} | {'torchft-like':^35} | {'FT-HSDP':>7} | "
              f"{'ReCoVer, no re-join':^19} | {'ReCoVer, re-join':^19}").rstrip()
     head = (f"{'GPUs':>7} {'repl.':>6} {'job MTBF':>9} {'CR tau':>8} | {'CR sim':>6} {'Daly':>6} | "
-            f"{'AW':>6} {'AW meanB':>8} {'AW minB':>7} {'AW @B':>6} | {'goodput':>7} {'/CR':>11} | "
+            f"{'goodput':>7} {'meanB':>8} {'minB':>7} {'@B':>6} | {'goodput':>7} | {'goodput':>7} {'/CR':>11} | "
             f"{'goodput':>7} {'/CR':>11}")
     out = [head1, head, "-" * len(head)]
     for r in rows:
+        ft = r.ft_hsdp.mean if r.ft_hsdp is not None else math.nan
         out.append(
             f"{r.gpus:>7} {r.replicas:>6} {fmt_duration(r.job_mtbf_s):>9} {fmt_duration(r.tau_s):>8} | "
             f"{r.checkpoint_restart.mean:6.3f} {r.daly_goodput:6.3f} | "
-            f"{r.adaptive.mean:6.3f} {100 * r.adaptive_batch_mean.mean:7.3f}% {100 * r.adaptive_batch_min.mean:6.2f}% "
-            f"{100 * r.adaptive_full_batch_share.mean:5.1f}% | "
+            f"{r.adaptive.mean:7.3f} {100 * r.adaptive_batch_mean.mean:7.3f}% {100 * r.adaptive_batch_min.mean:6.2f}% "
+            f"{100 * r.adaptive_full_batch_share.mean:5.1f}% | {ft:7.3f} | "
             f"{r.recover_no_rejoin.mean:7.4f} {r.ratio_no_rejoin:10.2f}x | {r.recover.mean:7.4f} {r.ratio:10.2f}x"
         )
+    return out
+
+
+def inputs_table(inputs: list[dict[str, float]]) -> list[str]:
+    """What ReCoVer's numbers rest on, per job size."""
+    out = [f"{'GPUs':>7} {'repl.':>6} | {'fault pause':>11} = {'control plane':>13} + {'bookkeeping':>11} | "
+           f"{'step overhead':>13} {'fraction':>9}"]
+    for i in inputs:
+        out.append(f"{i['gpus']:>7} {i['replicas']:>6} | {i['pause_s'] * 1e3:9.2f}ms = {i['control_plane_pause_s'] * 1e3:11.2f}ms + "
+                   f"{i['bookkeeping_loss_s'] * 1e3:9.2f}ms | {i['step_overhead_s'] * 1e3:11.3f}ms {i['overhead']:9.2e}")
     return out
 
 
@@ -219,9 +282,11 @@ def headline(rows: list[JobResult], args: argparse.Namespace) -> str:
               for r in ([small, large] if len(rows) > 1 else [large])]
     rejoin = ("never" if math.isinf(args.repair_min)
               else f"after {args.repair_min:g} min, {args.recover_rejoin_pause_s:.3g} s join pause")
+    peers = (f"torchft-like {large.adaptive.mean:.3f}, FT-HSDP {large.ft_hsdp.mean:.3f}, checkpoint-restart "
+             f"{large.checkpoint_restart.mean:.3f}" if large.ft_hsdp is not None else "")
     return (f"ReCoVer over {args.days:g} days without / with re-join ({rejoin}): goodput "
-            f"{large.recover_no_rejoin.mean:.3f} / {large.recover.mean:.3f} at {size_label(large.gpus)} GPUs; "
-            f"vs checkpoint-restart {', '.join(ratios)}")
+            f"{large.recover_no_rejoin.mean:.3f} / {large.recover.mean:.3f} at {size_label(large.gpus)} GPUs "
+            f"({peers}); vs checkpoint-restart {', '.join(ratios)}")
 
 
 def plot(rows: list[JobResult], path: Path, args: argparse.Namespace) -> None:
@@ -236,7 +301,8 @@ def plot(rows: list[JobResult], path: Path, args: argparse.Namespace) -> None:
         (f"ReCoVer with re-join ({args.recover_rejoin_pause_s:.3g} s join pause)", [r.recover for r in rows],
          "tab:green", "o"),
         ("ReCoVer without re-join (world only shrinks)", [r.recover_no_rejoin for r in rows], "tab:olive", "D"),
-        (f"AdaptiveWorld ({args.adaptive_timeout_s:g} s timeout, shrinking B)", [r.adaptive for r in rows], "tab:orange", "s"),
+        (f"torchft-like ({args.adaptive_timeout_s:g} s timeout, shrinking B)", [r.adaptive for r in rows], "tab:orange", "s"),
+        (f"FT-HSDP ({args.ft_hsdp_pause_s:g} s stall, shrinking B)", [r.ft_hsdp for r in rows], "tab:purple", "v"),
         ("checkpoint-restart (Young/Daly tau)" if args.interval == "young" else "checkpoint-restart (Daly tau)",
          [r.checkpoint_restart for r in rows], "tab:red", "^"),
     )
@@ -253,11 +319,11 @@ def plot(rows: list[JobResult], path: Path, args: argparse.Namespace) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend(loc="lower left", fontsize=8)
     ax.set_title(f"per-GPU MTBF {args.gpu_mtbf_h:g} h, R {args.restart_min:g} min, delta {args.checkpoint_min:g} min, "
-                 f"fault pause {args.pause_s:.3g} s, repair {args.repair_min:g} min", fontsize=9)
+                 f"fault pause measured per size, repair {args.repair_min:g} min", fontsize=9)
     ax2.plot(x, [100 * r.adaptive_full_batch_share.mean for r in rows], "s-", color="tab:orange",
-             label="AdaptiveWorld: steps at target B")
+             label="torchft-like: steps at target B")
     ax2.plot(x, [100 * r.adaptive_batch_min.mean for r in rows], "s:", color="tab:orange", alpha=0.7,
-             label="AdaptiveWorld: smallest batch (% of B)")
+             label="torchft-like: smallest batch (% of B)")
     ax2.axhline(100, color="tab:green", label="ReCoVer: every step at B")
     ax2.set_xscale("log")
     ax2.set_xticks(x, [size_label(n) for n in x])
@@ -277,11 +343,12 @@ def plot(rows: list[JobResult], path: Path, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     params = ModelParams(
+        ft_hsdp_pause_s=args.ft_hsdp_pause_s,
         gpu_mtbf_s=args.gpu_mtbf_h * HOUR,
         gpus_per_replica=args.gpus_per_replica,
         restart_s=args.restart_min * 60,
         checkpoint_s=args.checkpoint_min * 60,
-        recover_pause_s=args.pause_s,
+        recover_pause_s=args.pause_s if args.pause_s is not None else 0.0,  # per size below
         recover_rejoin_pause_s=args.recover_rejoin_pause_s,
         adaptive_pause_s=args.adaptive_timeout_s,
         repair_s=args.repair_min * 60,
@@ -293,9 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     wall_s = args.days * DAY
     t0 = time.perf_counter()
     rows: list[JobResult] = []
+    inputs: list[dict[str, float]] = []
     for n in sorted(set(args.job_sizes)):
+        measured = measured_inputs(n, args)
+        inputs.append(measured)
+        at_n = dataclasses.replace(params, recover_pause_s=measured["pause_s"], recover_overhead=measured["overhead"])
         try:
-            rows.append(simulate_job(n, params, wall_s, args.reps, args.seed))
+            rows.append(simulate_job(n, at_n, wall_s, args.reps, args.seed))
         except ValueError as exc:
             print(f"simulate.py: job size {n}: {exc}", file=sys.stderr)
             return 2
@@ -303,16 +374,20 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"Goodput over {args.days:g} days x {args.reps} runs; per-GPU MTBF {args.gpu_mtbf_h:g} h, "
           f"{args.gpus_per_replica} GPUs/replica; CR: R {args.restart_min:g} min, delta {args.checkpoint_min:g} min, "
-          f"{args.interval} interval; AW: {args.adaptive_timeout_s:g} s pause, re-join after {args.repair_min:g} min "
-          f"with a {args.rejoin_pause_s:g} s pause")
-    print(f"ReCoVer fault pause: {args.pause_s:.4g} s ({args.pause_source})")
+          f"{args.interval} interval; torchft-like: {args.adaptive_timeout_s:g} s pause, FT-HSDP: "
+          f"{args.ft_hsdp_pause_s:g} s, both re-join after {args.repair_min:g} min with a {args.rejoin_pause_s:g} s pause")
+    print(f"ReCoVer per job size (fault pause: {args.pause_source} + the bookkeeping of a lost replica's step and "
+          f"the re-plan after it; step overhead: a steady step's bookkeeping + the control plane's header and "
+          f"agreement, over a {args.step_s:g} s step), bookkeeping fitted from {args.scale_from}:")
+    for line in inputs_table(inputs):
+        print("  " + line)
     print(f"ReCoVer join pause: {args.recover_rejoin_pause_s:.4g} s ({args.rejoin_pause_source}); "
           + ("re-join: never (--repair-min inf), so both ReCoVer columns are the system without re-join"
              if math.isinf(args.repair_min) else f"a replacement joins {args.repair_min:g} min after a loss"))
     for line in table(rows):
         print(line)
     ci95 = max(max(r.checkpoint_restart.ci95, r.adaptive.ci95, r.recover.ci95, r.recover_no_rejoin.ci95) for r in rows)
-    print("CR sim: simulated checkpoint-restart goodput; Daly: its higher-order closed form. AdaptiveWorld batch "
+    print("CR sim: simulated checkpoint-restart goodput; Daly: its higher-order closed form. torchft-like batch "
           "drift: meanB = mean batch of its steps, minB = smallest batch (both % of the target B), @B = share of "
           "its steps at the full B (ReCoVer: 100% at B by construction). ReCoVer without re-join: lost replicas "
           "never come back (a job without recover.rejoin); with re-join: recover.rejoin=true. "
@@ -320,10 +395,12 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "benchmark": "simulate",
-        "config": {k: v for k, v in vars(args).items() if k not in ("out", "figure", "no_figure")},
+        "config": {k: v for k, v in vars(args).items() if k not in ("out", "figure", "no_figure", "fits")},
+        "fits": {k: list(v) for k, v in args.fits.items()},
         "params_s": params.__dict__,
         "wall_s": wall_s,
         "rows": [r.as_dict() for r in rows],
+        "recover_inputs": inputs,
         "elapsed_s": elapsed,
     }
     result["headline"] = last = headline(rows, args)

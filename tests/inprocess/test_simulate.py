@@ -303,7 +303,11 @@ def test_cli_takes_join_pause_from_ledger(tmp_path: Path, capsys: pytest.Capture
     assert args.pause_s == pytest.approx(0.1) and args.recover_rejoin_pause_s == 1.5 and args.joins == 3
     assert simulate.main([*argv, "--pause-from", str(ledger)]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert f"ReCoVer fault pause: 0.1 s (measured: mean recovery_s of 2 faulted steps of {ledger})" in lines
+    assert any(line.startswith(f"ReCoVer per job size (fault pause: measured: mean recovery_s of 2 faulted steps of {ledger} + ")
+               for line in lines), lines
+    inputs = json.loads(out.read_text())["recover_inputs"][0]
+    # The ledger's pause replaces the control plane's share; the bookkeeping's growth is added to it.
+    assert inputs["pause_s"] == pytest.approx(0.1 + inputs["bookkeeping_loss_s"]) and inputs["bookkeeping_loss_s"] > 0
     assert any(line.startswith(f"ReCoVer join pause: 1.5 s (measured: median pause_s of 3 joins in {ledger}); ")
                for line in lines), lines
     assert "(after 30 min, 1.5 s join pause)" in lines[-1]
@@ -334,7 +338,8 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert rc == 0
     lines = capsys.readouterr().out.strip().splitlines()
     m = re.fullmatch(r"ReCoVer over 3 days without / with re-join \(after 30 min, 5 s join pause\): goodput "
-                     r"(\d\.\d{3}) / (\d\.\d{3}) at 100k GPUs; vs checkpoint-restart (\d+\.\d\d)x / (\d+\.\d\d)x "
+                     r"(\d\.\d{3}) / (\d\.\d{3}) at 100k GPUs \(torchft-like \d\.\d{3}, FT-HSDP \d\.\d{3}, "
+                     r"checkpoint-restart \d\.\d{3}\); vs checkpoint-restart (\d+\.\d\d)x / (\d+\.\d\d)x "
                      r"at 1k GPUs, (\d+\.\d\d)x / (\d+\.\d\d)x at 100k GPUs", lines[-1])
     assert m, lines[-1]
     data = json.loads(out.read_text())
@@ -357,7 +362,33 @@ def test_cli_no_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
                         "--out", str(tmp_path / "s.json"), "--no-figure"])
     assert rc == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith(
-        "goodput 1.000 / 1.000 at 4k GPUs; vs checkpoint-restart 1.00x / 1.00x at 4k GPUs")
+        "goodput 1.000 / 1.000 at 4k GPUs (torchft-like 1.000, FT-HSDP 1.000, checkpoint-restart 1.000); "
+        "vs checkpoint-restart 1.00x / 1.00x at 4k GPUs")
+
+
+def test_recover_pause_and_overhead_come_from_measurements_per_job_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """No --pause-s: the control-plane model and scale.py's fitted bookkeeping give each size its own numbers."""
+    out = tmp_path / "s.json"
+    assert simulate.main(["--job-sizes", "1024", "100000", "--days", "1", "--reps", "1", "--out", str(out), "--no-figure"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert any("fault pause: control-plane model (benchmarks/control_plane_model.py) + the bookkeeping" in line and
+               "bookkeeping fitted from" in line for line in lines), lines
+    data = json.loads(out.read_text())
+    small, large = data["recover_inputs"]
+    assert set(data["fits"]) == {"rank_step_s", "engine_loss_s", "engine_replan_s", "join64_s"}
+    for i in (small, large):
+        assert i["pause_s"] == pytest.approx(i["control_plane_pause_s"] + i["bookkeeping_loss_s"])
+        assert 0 < i["overhead"] < 0.01
+    # Both shares grow with the job, neither as fast as the job.
+    assert small["pause_s"] < large["pause_s"] < 100 * small["pause_s"]
+    assert small["bookkeeping_loss_s"] < large["bookkeeping_loss_s"]
+    assert data["rows"][1]["ft_hsdp"]["mean"] < data["rows"][1]["recover"]["mean"]
+
+
+def test_a_missing_scale_result_names_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        simulate.main(["--scale-from", str(tmp_path / "none.json"), "--no-figure"])
+    assert exc.value.code == 2 and "run python benchmarks/scale.py to measure it" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
