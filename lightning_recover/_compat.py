@@ -60,6 +60,8 @@ TORCH_APIS: dict[str, str] = {
     "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict": "2.2",
     "torch.distributed.checkpoint.state_dict.set_model_state_dict": "2.2",
     "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict": "2.2",
+    # The watchdog's progress hooks do nothing while dynamo traces a user's compiled block (probes.py).
+    "torch.compiler.is_compiling": "2.3",
 }
 
 

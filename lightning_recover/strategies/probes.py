@@ -41,7 +41,9 @@ def install_progress_hooks(
     This makes the stuck-in-compute rule measure progress per layer rather than per
     microbatch: a big model whose backward legitimately takes minutes on a CPU still ticks
     every few milliseconds, while a rank wedged inside one kernel stops ticking. The hooks
-    leave values and gradients untouched. Returns the handles (``.remove()`` them to undo).
+    leave values and gradients untouched; inside a ``torch.compile``'d region they do nothing
+    (so a compiled block ticks once per call, and its compilation, which ticks never, must take
+    less than ``stuck_timeout_s``). Returns the handles (``.remove()`` them to undo).
     """
     last = [-math.inf]
 
@@ -49,6 +51,10 @@ def install_progress_hooks(
         tick()  # returning None keeps the gradient as it is
 
     def on_forward(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            # A module inside a torch.compile'd block: tracing the clock would split the user's graph
+            # (a graph break per module). The compiled block's own call, outside the graph, still ticks.
+            return
         tick()
         now = time.monotonic()
         if now - last[0] < grad_spacing_s:

@@ -88,9 +88,14 @@ class HFLlama(L.LightningModule):
             fully_shard(layer, mesh=dp_mesh)
         fully_shard(self, mesh=dp_mesh)
 
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        # Through the LightningModule's own call: FSDP2's root unit (this module) gathers the
+        # embedding and the head in its forward hook.
+        return self.hf(input_ids=idx).logits
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        logits = self.hf(input_ids=x).logits
+        logits = self(x)
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         self.log("train_loss", loss, on_step=True)
         return loss
@@ -153,6 +158,8 @@ def main() -> None:
     strategy = ReCoVerHSDPStrategy(
         shards=args.shards, tensor_parallel=args.tp, grad_accum=args.grad_accum, seed=args.seed, ledger_path=out / "ledger.jsonl",
         bucket_mb=0.01, replica_plane=args.replica_plane, sdc_every_n_steps=0,
+        # The first step compiles each block (tens of seconds on a loaded 2-core machine), without progress ticks.
+        stuck_timeout_s=600.0 if args.compile else None,
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, callbacks=[FaultInjection(json.loads(args.faults))],
@@ -175,7 +182,7 @@ def main() -> None:
         "tp_index": mesh.get_local_rank("tensor_parallel") if mesh.ndim > 1 else 0,
         "dp_index": mesh.get_local_rank("data_parallel"),
         "placements": placements, "replica_plane": strategy.replica_plane, "replica_plane_calls": strategy.replica_plane_calls,
-        "compiled": sum(type(m).__name__ == "OptimizedModule" for m in model.modules()),
+        "compiled": sum("OptimizedModule" in type(m).__name__ for m in model.modules()),
         "recompute": sum(bool(getattr(m, "recompute", False)) for m in model.modules()),
     }
     (out / f"rank{comm.rank}.json").write_text(json.dumps(result))
