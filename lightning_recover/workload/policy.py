@@ -9,8 +9,11 @@ step records, state_dict); the policies are
 :class:`~lightning_recover.workload.static_world.StaticWorld` (ReCoVer's policy made
 exactly-once: constant B, spares, replay) and its ablation
 :class:`~lightning_recover.workload.adaptive_world.AdaptiveWorld` (torchft-like), built by
-config name with :func:`~lightning_recover.workload.factory.make_policy`. They build their
-plans from this module's per-replica ``_Slot`` and validate their settings with
+config name with :func:`~lightning_recover.workload.factory.make_policy`. A policy says how
+a live set's steady plan looks (its :class:`~lightning_recover.workload.step_plan.Membership`,
+built once per membership change) and how a failure changes it; the base keeps the open
+step as that membership plus the few replicas a failure changed (``_Slot``), so a steady
+step costs O(1) and a failure O(what it changes). Settings are validated with
 ``_check_setting``: the base's internals, shared with its subclasses only.
 
 Hot re-join (the paper's reverse role adjustment) is one more membership event,
@@ -194,8 +197,8 @@ class WorkloadPolicy(abc.ABC):
             raise PolicyError(f"{call}() called with no step in progress; call begin_step() first")
         return self._step
 
-    def _open(self, step: int, alive: Collection[int]) -> bool:
-        """Open ``step`` for ``alive``; True when the live set is the previous step's (O(1) then)."""
+    def _open(self, step: int, alive: Collection[int]) -> None:
+        """Open ``step`` for ``alive``: O(1) when ``alive`` is the tuple the previous step began with."""
         step = _check_int("step", step, 0, "pass the optimizer step index")
         if step < self._next_step:
             raise ValueError(
@@ -234,7 +237,6 @@ class WorkloadPolicy(abc.ABC):
             # run it resumes would: every rank writes the same ledger line.
             self._membership, self._membership_since = self._steady_membership(self._live, self._joined), self._since_hint
             self._since_hint = None
-        return same
 
     @abc.abstractmethod
     def _steady_membership(self, live: tuple[int, ...], joined: Collection[int]) -> Membership:
