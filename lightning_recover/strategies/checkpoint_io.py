@@ -80,6 +80,29 @@ def remove_checkpoint_files(path: str | os.PathLike[str]) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
+def published(path: str | os.PathLike[str], step: int) -> bool:
+    """Whether a save of step ``step`` to ``path`` reached its commit point: the file is there with a DCP
+    directory of that step beside it (a publish removes the name's other versions)."""
+    final = Path(os.path.abspath(os.fspath(path)))
+    if not (final.is_file() or final.is_symlink()):
+        return False
+    return any(not d.name.endswith(".tmp") for d in (final.parent / STORE).glob(f"{final.name}-{step:08d}-*"))
+
+
+def remove_unfinished_writes(directory: str | os.PathLike[str]) -> list[Path]:
+    """Remove what writers killed mid-way left in ``directory``'s DCP store (``*.tmp``); returns it.
+
+    Only when no writer of this job is active there: the new leader after the old one died."""
+    removed = []
+    for stale in (Path(os.path.abspath(os.fspath(directory))) / STORE).glob("*.tmp"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+        removed.append(stale)
+    return removed
+
+
 #: What DCP warns on every call without a process group (one shard rank per replica writes alone, on purpose).
 _SINGLE_PROCESS_DCP = r"torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to (save|load) in a single process"
 

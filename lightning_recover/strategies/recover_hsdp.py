@@ -291,6 +291,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         """The world changed (a repair or a join): Lightning's rank-zero gates and the log scaling follow."""
         self._set_ranks()
         self._logging.on_membership(self.world_size, self.global_rank == 0)
+        self._checkpoints.on_membership(self.lightning_module.trainer)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ data
     @override
