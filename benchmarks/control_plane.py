@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=None, help="hard timeout per job in seconds (default 90 + 6 s per rank)")
     p.add_argument("--out", type=Path, default=RESULTS, help="JSON results file")
     p.add_argument("--workdir", type=Path, default=None, help="where the ranks write (default: a temporary folder)")
+    p.add_argument("--lightning", action="store_true",
+                   help="count a Lightning Trainer's steps under ReCoVerHSDPStrategy instead (no fault; e.g. --ranks 4 8)")
     args = p.parse_args(argv)
     if min(args.ranks) < 3:
         p.error("--ranks: every job needs at least 3 ranks (one is killed, two must survive)")
@@ -84,7 +86,7 @@ def run_job(n: int, args: argparse.Namespace, outdir: Path) -> dict[str, Any]:
 
     timeout = args.timeout if args.timeout is not None else 90 + 6 * n
     cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(n), "--",
-           sys.executable, str(RANK), "--out", str(outdir), "--steps", str(args.steps)]
+           sys.executable, str(RANK), "--out", str(outdir), "--steps", str(args.steps), *(["--lightning"] if args.lightning else [])]
     env = launch_env()
     env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "LIGHTNING_RECOVER_MPI_WAIT": "sleep",
                 "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
@@ -145,11 +147,41 @@ def fits(points: Sequence[dict[str, Any]]) -> dict[str, dict[str, float]]:
     }
 
 
+def main_lightning(args: argparse.Namespace, base: Path) -> int:
+    """``--lightning``: each size's steady steps under the Trainer, checked identical on every rank and size."""
+    tallies: dict[int, Tally] = {}
+    for n in args.ranks:
+        outdir = base / f"n{n}"
+        job = run_job(n, args, outdir)
+        rows = [json.loads(f.read_text()) for f in sorted(outdir.glob("rank*.json"))]
+        steps = [s for r in rows for s in r["steady"]]
+        if len(rows) != n or not steps or any(s != steps[0] for s in steps):
+            print(f"[control_plane] {n} ranks under Lightning: {len(rows)} of {n} ranks reported; steady tallies "
+                  f"{sorted({json.dumps(s, sort_keys=True) for s in steps})}; log tail:\n{job['log_tail']}", flush=True)
+            return 1
+        tallies[n] = steps[0]
+        print(f"{n:>3} ranks under Lightning ({len(steps)} steady steps, {job['wall_s']:.0f} s): {fmt(steps[0])}", flush=True)
+    constant = all(t == tallies[args.ranks[0]] for t in tallies.values())
+    lo, hi = args.ranks[0], args.ranks[-1]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"what": "MPI calls per rank per steady step of a Lightning Trainer under ReCoVerHSDPStrategy",
+                                    "steady": {str(n): t for n, t in tallies.items()}, "steady_constant": constant}, indent=2) + "\n")
+    c_lo, s_lo, _ = totals(tallies[lo])
+    c_hi, s_hi, _ = totals(tallies[hi])
+    print(f"Lightning steady step per rank {lo} -> {hi} ranks: {c_lo} -> {c_hi} MPI calls, {s_lo} -> {s_hi} B sent "
+          f"({'constant' if constant else 'NOT constant'})")
+    return 0 if constant else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import tempfile
 
     base = args.workdir or Path(tempfile.mkdtemp(prefix="control_plane_"))
+    if args.lightning:
+        if args.out == RESULTS:
+            args.out = RESULTS.with_name("control_plane_lightning.json")
+        return main_lightning(args, base)
     points: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
     for n in args.ranks:

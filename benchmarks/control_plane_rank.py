@@ -23,6 +23,12 @@ are reduced in several buckets. Before the communicator exists,
 
 Each survivor writes ``rank<r>.json`` into ``--out`` and ends through
 :func:`lightning_recover.runtime.lifecycle.end_job`.
+
+With ``--lightning`` the rank is a user's Lightning script instead: the same MLP in a
+``LightningModule`` trained by ``Trainer(strategy=ReCoVerHSDPStrategy(...))`` for ``--steps``
++ 2 optimizer steps, and ``steady`` holds what each step cost from one
+``on_train_batch_start`` to the next (everything the strategy, its callbacks, the ledger,
+the recruiter and Lightning did over MPI in between); no fault is injected.
 """
 
 from __future__ import annotations
@@ -47,11 +53,65 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kill-at-bucket", type=int, default=1, help="the victim dies before this bucket of the step's reduction")
     p.add_argument("--bucket-bytes", type=int, default=1024, help="FaultTolerantComm bucket size (the MLP has ~2.4 kB of gradients)")
     p.add_argument("--G", type=int, default=2, help="microbatches per replica per step")
+    p.add_argument("--lightning", action="store_true", help="count a Lightning Trainer's steps under the strategy (no fault)")
     return p.parse_args(argv)
+
+
+def lightning_main(args: argparse.Namespace) -> None:
+    """The rank as a user's Lightning script; see the module docstring."""
+    from lightning_recover.runtime import lifecycle
+
+    lifecycle.prepare_mpi()
+    import mpi_counter
+
+    counter = mpi_counter.install()  # before the strategy builds its communicator
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_recover.strategies import ReCoVerHSDPStrategy
+
+    torch.set_num_threads(1)
+    marks: list[dict[str, list[int]]] = []
+
+    class Mlp(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 2))
+
+        def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    class Marks(L.Callback):
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            marks.append(counter.snapshot())
+
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(4096, 16), torch.randn(4096, 2))
+    strategy = ReCoVerHSDPStrategy(shards=1, grad_accum=args.G, bucket_mb=args.bucket_bytes / 2**20)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps + 2, logger=False, callbacks=[Marks()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(Mlp(), DataLoader(data, batch_size=4))
+    end = counter.snapshot()
+    steps = [mpi_counter.since(a, b) for a, b in zip(marks, [*marks[1:], end])]
+    comm = strategy.comm
+    assert comm is not None
+    row = {"rank": comm.rank, "world_size": comm.layout.world_size, "lightning": True, "steps_seen": len(marks),
+           "first": steps[0] if steps else {}, "steady": steps[1:-1], "last": steps[-1] if steps else {}}
+    (args.out / f"rank{comm.rank}.json").write_text(json.dumps(row))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.lightning:
+        lightning_main(args)
+        return
     from lightning_recover.runtime import lifecycle
 
     lifecycle.prepare_mpi()

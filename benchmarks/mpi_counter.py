@@ -40,7 +40,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-__all__ = ["Counter", "CountingIntracomm", "install", "payload"]
+__all__ = ["Counter", "CountingIntracomm", "install", "payload", "since"]
 
 #: Calls that neither communicate nor create a communicator: counted apart (``local``).
 LOCAL = frozenset({"Ack_failed", "Get_failed", "Iprobe"})
@@ -79,12 +79,17 @@ class Counter:
 
     def since(self, before: dict[str, list[int]]) -> dict[str, list[int]]:
         """What was counted after ``before`` (a :meth:`snapshot`), operations with no call left out."""
-        out = {}
-        for name, (calls, sent, recv) in self.ops.items():
-            c0, s0, r0 = before.get(name, (0, 0, 0))
-            if calls - c0:
-                out[name] = [calls - c0, sent - s0, recv - r0]
-        return out
+        return since(before, self.ops)
+
+
+def since(before: dict[str, list[int]], after: dict[str, list[int]]) -> dict[str, list[int]]:
+    """What was counted between two :meth:`Counter.snapshot` s, operations with no call left out."""
+    out = {}
+    for name, (calls, sent, recv) in after.items():
+        c0, s0, r0 = before.get(name, (0, 0, 0))
+        if calls - c0:
+            out[name] = [calls - c0, sent - s0, recv - r0]
+    return out
 
 
 #: The one counter of this process (set by :func:`install`).
