@@ -290,6 +290,23 @@ def _ledger_meaning(path: Path) -> list[Any]:
     return out
 
 
+#: Keys of the full ledger line that the compact one encodes in COMPACT_KEYS.
+FULL_KEYS = ("microbatch_ids", "replicas", "roles")
+
+
+def _rank_result(path: Path) -> Any:
+    """A rank{R}.json without what only one ledger format holds in its ``last`` record.
+
+    ``last`` is the rank's copy of its last ledger line: alone, a compact one cannot be
+    resolved (its membership may be written lines before), and the ledger, compared by
+    meaning above, already holds that line."""
+    result = _strip(json.loads(path.read_text()))
+    last = result.get("last")
+    if isinstance(last, dict):
+        result["last"] = {k: v for k, v in last.items() if k not in COMPACT_KEYS and k not in FULL_KEYS}
+    return result
+
+
 def compare_config(a: Path, b: Path) -> str | None:
     """The first difference between two recordings of one configuration, or None."""
     import torch
@@ -302,7 +319,7 @@ def compare_config(a: Path, b: Path) -> str | None:
     d = _first_diff(lines_a, lines_b, "ledger")
     if d:
         return d
-    for pattern, load in (("params*.pt", lambda f: torch.load(f, map_location="cpu")), ("rank*.json", lambda f: _strip(json.loads(f.read_text())))):
+    for pattern, load in (("params*.pt", lambda f: torch.load(f, map_location="cpu")), ("rank*.json", lambda f: _rank_result(f))):
         names_a = sorted(f.name for f in a.glob(pattern))
         names_b = sorted(f.name for f in b.glob(pattern))
         if names_a != names_b:
