@@ -25,9 +25,13 @@ from lightning_recover.feed.loading import Delivered, KeyedCollate, PlannedIndic
 from lightning_recover.workload.planner import MicrobatchPlanner
 
 
-@dataclass(frozen=True)
+@dataclass
 class StepTicket:
-    """What the train loader yields: a placeholder for one optimizer step's microbatches."""
+    """What the train loader yields: a placeholder for one optimizer step's microbatches.
+
+    Not frozen: Lightning's loop passes every batch through the precision plugin's
+    ``convert_input`` (``apply_to_collection``), which refuses a frozen dataclass, so
+    ``precision="bf16-true"`` would fail at the first step."""
 
     index: int
 

@@ -141,7 +141,9 @@ class TrainingSteps:
         job.probes.tick()
         assert self.feed is not None
         # Seeds torch for this microbatch (the same on every replica), however it was loaded.
-        batch = self._strategy.batch_to_device(self.feed.get(st.step, offset))
+        # As Lightning's loop prepares a batch: the precision's input conversion (true half precision
+        # casts float inputs), then the device.
+        batch = self._strategy.batch_to_device(self._strategy.precision_plugin.convert_input(self.feed.get(st.step, offset)))
         with self._strategy.replica_guard("forward"), self._logging.as_batch(batch, first=st.microbatches_run == 0):
             out = self._lightning_step(batch, self._batch_idx)
         loss = out["loss"] if isinstance(out, Mapping) else out
