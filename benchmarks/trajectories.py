@@ -285,7 +285,8 @@ def _ledger_meaning(path: Path) -> list[Any]:
     out = []
     for rec in read_ledger(path):
         full = {k: v for k, v in rec.items() if k not in COMPACT_KEYS}
-        full["microbatch_ids"] = microbatch_ids(rec)
+        if "ids" in rec or "microbatch_ids" in rec:
+            full["microbatch_ids"] = microbatch_ids(rec)
         out.append(_strip(full))
     return out
 

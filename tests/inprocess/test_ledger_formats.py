@@ -15,33 +15,13 @@ import pytest
 
 from lightning_recover.audit.ledger import LedgerFormatError, microbatch_ids, read_ledger
 from lightning_recover.audit.ledger_check import check_ledger
-from lightning_recover.audit.ledger_writer import LedgerWriter
 from lightning_recover.audit.report import report_from_path
 from lightning_recover.workload.static_world import StaticWorld
 
-OLD = Path(__file__).parent.parent / "data" / "ledger_before_compact.jsonl"
+from harness.ledgers import FIXTURE, write_fixture_run
+
+OLD = FIXTURE
 MEANING = ("step", "B", "committed", "replicas", "roles", "faults", "extra_microbatches", "G_cur", "joined")
-
-
-def the_run(path: Path) -> None:
-    """The fixture's run (see its writer in the module docstring), with today's code."""
-    pol = StaticWorld(4, 2, T=3)
-    alive = (0, 1, 2, 3)
-    with LedgerWriter(path) as out:
-        for step in range(10):
-            pol.begin_step(step, alive)
-            if step == 3:
-                pol.fail([0])
-            if step == 6:
-                pol.fail([1])
-            commit = pol.commit()
-            rec = commit.as_dict()
-            rec.update(loss=1.0 / (step + 1), world_epoch=int(step >= 3) + int(step >= 6), step_time_s=0.01, recovery_s=0.0, policy="static", divisor=commit.B)
-            out.write(rec)
-            alive = commit.replicas
-            if step == 7:
-                pol.join([0])
-                alive = tuple(sorted((*alive, 0)))
 
 
 def test_a_ledger_written_before_the_compact_format_still_checks_and_reports() -> None:
@@ -52,7 +32,7 @@ def test_a_ledger_written_before_the_compact_format_still_checks_and_reports() -
 
 def test_compact_lines_mean_what_the_full_lines_meant(tmp_path: Path) -> None:
     new = tmp_path / "ledger.jsonl"
-    the_run(new)
+    write_fixture_run(new)
     old_lines, new_lines = read_ledger(OLD), read_ledger(new)
     for before, now in zip(old_lines, new_lines, strict=True):
         assert {k: now[k] for k in MEANING} == {k: before[k] for k in MEANING}, now["step"]
@@ -81,7 +61,7 @@ def test_a_steady_line_stays_under_a_kilobyte_at_32k_replicas() -> None:
 
 def corrupt(tmp_path: Path, mutate) -> str:  # type: ignore[no-untyped-def]
     src = tmp_path / "good.jsonl"
-    the_run(src)
+    write_fixture_run(src)
     lines = read_ledger(src, raw=True)
     mutate(lines)
     bad = tmp_path / "bad.jsonl"
@@ -118,7 +98,7 @@ def test_check_ledger_finds_a_line_that_refers_to_a_membership_no_line_holds(tmp
 
 def test_a_torn_tail_of_a_compact_ledger_is_dropped(tmp_path: Path) -> None:
     path = tmp_path / "ledger.jsonl"
-    the_run(path)
+    write_fixture_run(path)
     whole = path.read_text()
     path.write_text(whole + whole.splitlines()[3][:40])
     assert [r["step"] for r in read_ledger(path, torn_tail=True)] == list(range(10))

@@ -80,3 +80,23 @@ def test_every_other_difference_fails_the_check(tmp_path: Path, capsys: pytest.C
     assert trajectories.compare(tmp_path / "a", tmp_path / "b") == 1
     out = capsys.readouterr().out.splitlines()
     assert out[-1] == "0/1 configurations bitwise equal" and out[0].startswith("cfg: ") and out[0] != "cfg: same", out
+
+
+def test_a_compact_ledger_compares_with_the_full_one_it_replaced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 33: a recording made before the compact line format and one made after compare by meaning."""
+    from harness.ledgers import FIXTURE, write_fixture_run
+
+    params = {0: {"w": torch.zeros(2)}}
+    for name, write in (("a", lambda p: p.write_text(FIXTURE.read_text())), ("b", write_fixture_run)):
+        config = tmp_path / name / "cfg"
+        _write(config, [], params, {0: {"rank": 0}})
+        write(config / "ledger.jsonl")
+    assert trajectories.compare(tmp_path / "a", tmp_path / "b") == 0
+    # A compact line whose ids differ is a difference.
+    lines = (tmp_path / "b" / "cfg" / "ledger.jsonl").read_text().splitlines()
+    bad = json.loads(lines[2])
+    bad["ids"] = [[12, 17], [18, 19]]
+    (tmp_path / "b" / "cfg" / "ledger.jsonl").write_text("\n".join([*lines[:2], json.dumps(bad), *lines[3:]]) + "\n")
+    capsys.readouterr()
+    assert trajectories.compare(tmp_path / "a", tmp_path / "b") == 1
+    assert "ledger[2].microbatch_ids[5]: 17 vs 18" in capsys.readouterr().out
