@@ -18,6 +18,8 @@ here leaves the standby connecting to an accept that never completes). ``collect
 step ``step``) over ``strategy.replica_group`` (:mod:`lightning_recover.comm.process_group`):
 before its MPI calls (its peers are left waiting inside the collective), and after they
 returned, before the survivors agree on the result (its peers may have completed it).
+``first_broadcast`` (``step`` 0) fires in the strategy's setup just before the first broadcast
+of the initial weights from replica 0 (its peers are left waiting inside it): a start-up fault.
 ``kind`` is kill (SIGKILL), hang (SIGSTOP: no thread of the process runs), stuck (the
 main thread spins forever while the process stays alive, like a rank wedged in compute) or
 term (SIGTERM, as mpiexec aborting a job or a scheduler draining a node sends it: the
@@ -76,6 +78,7 @@ from lightning.pytorch.callbacks import Callback
 PHASES = (
     "forward", "backward", "reduce", "optimizer", "checkpoint", "validation", "test", "predict",
     "join_startup", "join_ready", "join_transfer", "joined", "join_accept", "collective", "collective_done",
+    "first_broadcast",
 )
 EVALUATION_PHASES = ("validation", "test", "predict")
 COLLECTIVE_PHASES = ("collective", "collective_done")

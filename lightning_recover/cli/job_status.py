@@ -18,12 +18,14 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lightning_recover.runtime.markers import QUORUM_MARKER
+from lightning_recover.runtime.markers import QUORUM_MARKER, START_LOST_MARKER
 from lightning_recover.runtime.refusal import REFUSED_STATUS
 
 
 #: The job's status when ranks stopped for want of a quorum and none finished (EX_TEMPFAIL).
 NO_QUORUM_STATUS = 75
+#: The job's status when a rank was lost while the job started, before the communicator came up (EX_UNAVAILABLE).
+START_LOST_STATUS = 69
 
 
 @dataclass
@@ -37,6 +39,10 @@ class JobMarkers:
     done: frozenset[int] | None = None  # the last world's members, from its leader's done marker
     #: rank -> (exception type name, the traceback's last line)
     raised: dict[int, tuple[str, str]] = field(default_factory=dict)
+    #: rank -> "HOST PID" from its ``init`` marker (the strategy started it, before MPI_Init)
+    init: dict[int, str] = field(default_factory=dict)
+    #: of ``exited``: rank -> what it saw lost while the job started (``lost at start: ...``)
+    lost_at_start: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def read(cls, directory: str) -> JobMarkers:
@@ -48,6 +54,8 @@ class JobMarkers:
             r = int(rank)
             if what == "started":
                 markers.started.add(r)
+            elif what == "init":
+                markers.init[r] = _read_text(os.path.join(directory, name)).strip()
             elif what == "done":
                 members = _read_text(os.path.join(directory, name)).split(",")
                 if all(m.strip().isdigit() for m in members):
@@ -56,8 +64,12 @@ class JobMarkers:
                 markers.ended.add(r)
                 if what == "ok":
                     markers.ok.add(r)
-                elif _read_text(os.path.join(directory, name)).startswith(QUORUM_MARKER):
-                    markers.no_quorum.add(r)
+                else:
+                    text = _read_text(os.path.join(directory, name))
+                    if text.startswith(QUORUM_MARKER):
+                        markers.no_quorum.add(r)
+                    elif text.startswith(START_LOST_MARKER):
+                        markers.lost_at_start[r] = text
             elif what == "raised":
                 try:
                     with open(os.path.join(directory, name)) as f:
@@ -116,6 +128,36 @@ def _what_raised(raised: Mapping[int, tuple[str, str]], nprocs: int) -> str:
     return " and ".join(parts)
 
 
+def host_of(markers: JobMarkers, rank: int) -> str:
+    """Where ``rank`` ran, from its ``init`` marker; a rank that never left one never reached the strategy."""
+    where = markers.init.get(rank, "").split()
+    return f"on host {where[0]}" if where else "(host unknown: it never reached the strategy's start)"
+
+
+def named_lost(markers: JobMarkers, nprocs: int) -> list[int]:
+    """The ranks the survivors' ``lost at start`` markers name; else those that never brought a communicator
+    up and did not say so themselves."""
+    named: set[int] = set()
+    for text in markers.lost_at_start.values():
+        inside = text.partition("[")[2].partition("]")[0]
+        named |= {int(x) for x in inside.split(",") if x.strip().isdigit()}
+    return sorted(named) or sorted(set(range(nprocs)) - markers.started - set(markers.lost_at_start))
+
+
+def start_lost_line(markers: JobMarkers, nprocs: int, lost: Sequence[int] | None = None, why: str = "") -> str:
+    """The one line for a job that lost ranks while it started (before the communicator came up): which
+    ranks and hosts, and the fix. ``lost``: the ranks the launcher saw go (default: those the ranks named)."""
+    if lost is None:
+        lost = named_lost(markers, nprocs)
+    who = ", ".join(f"rank {r} {host_of(markers, r)}" for r in lost) or "a rank"
+    return (
+        f"lost while the job started, before its first step: {who}{why}; the world is fixed when MPI starts, so the "
+        "other ranks cannot start without it and were ended. Fix what stopped it (its output above: a broken node, "
+        "a failed import, out of memory at start), then relaunch; `lightning-recover launch --supervise` relaunches "
+        f"by itself. Exit status {START_LOST_STATUS}"
+    )
+
+
 def final_words(markers: JobMarkers, nprocs: int, status: int) -> tuple[int, str | None]:
     """The job's status and the launcher's last line about it, from the markers.
 
@@ -139,6 +181,10 @@ def final_words(markers: JobMarkers, nprocs: int, status: int) -> tuple[int, str
             f"note: {_rank_list(sorted(markers.no_quorum))} stopped for want of a quorum while cut off; "
             "the last world went on without them and finished"
         )
+    if status == START_LOST_STATUS and not markers.ok:
+        return status, None  # the launcher's start watch ended the job and printed its line
+    if markers.lost_at_start and not markers.ok:
+        return START_LOST_STATUS, start_lost_line(markers, nprocs)
     failed = bool(markers.started or markers.raised) and not markers.ended
     if not failed:
         if markers.raised:

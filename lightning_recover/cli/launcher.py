@@ -31,6 +31,7 @@ from lightning_recover.cli.console import ConsoleFilter, summary
 from lightning_recover.cli.hosts import local_host_names, probe_unreachable
 from lightning_recover.cli.job_status import JobMarkers, final_words
 from lightning_recover.cli.mpiexec import build_command, launch_env, safe_coll_note
+from lightning_recover.cli.startup import StartWatch
 from lightning_recover.cli.runner import STALLED_STATUS, run_supervised
 from lightning_recover.cli.supervision import (
     RELAUNCHABLE,
@@ -92,6 +93,7 @@ def launch(
             status = run_supervised(
                 argv, env, nprocs=nprocs if here else None, finished=lambda: JobMarkers.read(status_dir).over(nprocs),
                 refused=lambda: JobMarkers.read(status_dir).refused, stdout=stdout, stderr=stderr,
+                start_watch=StartWatch(status_dir, nprocs, all_local=here).poll,
             )
         status, words = final_words(JobMarkers.read(status_dir), nprocs, status)
     if words is not None:

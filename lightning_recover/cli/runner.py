@@ -34,6 +34,9 @@ from lightning_recover.runtime.watchdog import remove_launch_directories
 ABORTED_STATUS = 70
 #: Exit status when the supervisor's stall watchdog ended a job that made no progress.
 STALLED_STATUS = 124
+#: Exit status when the start watch ended a job that lost a rank before its communicator came up
+#: (:data:`lightning_recover.cli.job_status.START_LOST_STATUS`; not imported: the runner reads no markers).
+START_LOST_STATUS = 69
 #: What Open MPI 5 prints when its runtime failed to start at all (a PMIx listener race, also
 #: seen in other projects' CI): no rank ran, so a harness may launch such a job once more.
 RUNTIME_START_FAILURE = "The PMIx server's listener thread failed to start"
@@ -71,6 +74,7 @@ def run_supervised(
     on_signal: Callable[[int], None] | None = None,
     finished: Callable[[], bool] | None = None,
     refused: Callable[[], bool] | None = None,
+    start_watch: Callable[[Callable[[], list[int]]], str | None] | None = None,
 ) -> int:
     """Run ``mpiexec`` in its own session and return its status (see the module docstring).
 
@@ -86,6 +90,10 @@ def run_supervised(
     caller judges the job by the markers, :func:`lightning_recover.cli.job_status.final_words`).
     When ``refused`` holds (a rank stopped on a bad setting with status 2, and mpiexec ended the
     ranks still starting), the ranks left behind are ended without a line about them.
+    ``start_watch`` gets a way to list the live processes of mpiexec's session on this host every
+    poll while the job starts (:class:`lightning_recover.cli.startup.StartWatch`); when it returns a line
+    (a rank lost before its communicator came up), the line is printed, the job ended and the
+    status is :data:`START_LOST_STATUS`.
     """
     started = time.time()
     proc = subprocess.Popen(
@@ -116,6 +124,7 @@ def run_supervised(
         except ProcessLookupError:
             pass
 
+    start_lost = False
     previous = {}
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -151,6 +160,14 @@ def run_supervised(
                     kill_group()
                     proc.wait()
                     return ABORTED_STATUS
+            if start_watch is not None:
+                line = start_watch(lambda: session_ranks(proc.pid))
+                if line is not None and proc.poll() is None:
+                    print(f"[lightning-recover] {line}", file=sys.stderr, flush=True)
+                    start_lost = True  # the ranks it ends are not news: that line was the one
+                    kill_group()
+                    proc.wait()
+                    return START_LOST_STATUS
             reason = watch() if watch is not None else None
             if reason is not None and proc.poll() is None:
                 print(f"[lightning-recover] {reason}; ending the job", file=sys.stderr, flush=True)
@@ -165,7 +182,7 @@ def run_supervised(
     finally:
         exited = proc.poll() is not None
         left = kill_group()  # leftovers (a SIGSTOPped rank) never outlive the job
-        if left and exited and not (refused is not None and refused()):
+        if left and exited and not start_lost and not (refused is not None and refused()):
             print(f"[lightning-recover] {len(left)} rank(s) outlived mpiexec; ended them (SIGKILL): pids {left}",
                   file=sys.stderr, flush=True)
         deadline = time.monotonic() + 5.0

@@ -54,6 +54,8 @@ def sync_initial_state(job: RecoveryJob, tensors: list[torch.Tensor]) -> None:
     """Every replica starts from the lowest replica's weights, seeded or not (``tensors``: this shard's)."""
     assert job.comm is not None and job.engine is not None
     comm = job.comm
+    if job.probes is not None:
+        job.probes.fault_point("first_broadcast", step=0)
     job.engine.run_collective(lambda: comm.broadcast_tensors(tensors, root=0))
 
 

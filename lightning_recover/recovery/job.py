@@ -70,6 +70,7 @@ from lightning_recover.comm.data_plane import check_data_plane
 from lightning_recover.comm.interface import RepairResult
 from lightning_recover.comm.process_group import ProcessGroupULFM, lockstep_refusal, new_replica_group
 from lightning_recover.comm.topology import RankLayout
+from lightning_recover.comm.ulfm import failure_classes
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.membership import milestones
 from lightning_recover.membership.recruiter import Recruiter
@@ -82,6 +83,19 @@ from lightning_recover.workload.factory import make_policy
 from lightning_recover.workload.policy import WorkloadPolicy
 
 __all__ = ["JobHost", "RecoveryJob"]
+
+
+def _failed_world_ranks() -> list[int]:
+    """The ranks of ``COMM_WORLD`` this rank knows dead (ULFM's ``Get_failed``); [] when it cannot tell."""
+    from mpi4py import MPI
+
+    try:
+        world = MPI.COMM_WORLD
+        failed = world.Get_failed()
+        ranks = MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), world.Get_group())
+        return sorted(int(r) for r in ranks if r != MPI.UNDEFINED)
+    except (MPI.Exception, AttributeError, NotImplementedError):
+        return []
 
 
 @dataclass(frozen=True)
@@ -163,6 +177,7 @@ class RecoveryJob:
         """This rank joins the job: MPI, crash handling, the communicator, the policy, the replica-local group, the engine."""
         self._host = host
         lifecycle.prepare_mpi()
+        lifecycle.mark_init()  # before MPI_Init: a rank lost at start is named with its host
         from mpi4py import MPI
 
         if MPI.COMM_WORLD.Get_size() > 1:
@@ -174,12 +189,21 @@ class RecoveryJob:
         self.config.check_world(MPI.COMM_WORLD.Get_size())
         self._check_planes()
         self.layout = RankLayout(MPI.COMM_WORLD.Get_size(), self.config.shards)
-        self.comm = FaultTolerantComm(
-            self.layout, bucket_bytes=self.config.bucket_bytes, data_plane=self.config.data_plane, plane_timeout_s=self.config.timeout_s
-        )
+        try:
+            self.comm = FaultTolerantComm(
+                self.layout, bucket_bytes=self.config.bucket_bytes, data_plane=self.config.data_plane, plane_timeout_s=self.config.timeout_s
+            )
+            mates = self.comm.world.Split(self.comm.replica, self.comm.shard)
+        except MPI.Exception as exc:
+            # A peer died after MPI_Init but before the communicator existed (during its imports,
+            # before it reached the strategy): there is nothing to repair yet, and the world is
+            # fixed when MPI starts, so this launch ends with one line instead of a traceback per rank.
+            if exc.Get_error_class() not in failure_classes():
+                raise
+            lifecycle.lost_at_start(MPI.COMM_WORLD.Get_rank(), _failed_world_ranks(), "before the communicator came up")
         # The script's end runs `shutdown()` by itself at interpreter exit; no call needed.
         lifecycle.start_rank(self.comm.rank, self.layout.world_size, end_of_job=self.host.end_of_job)
-        self._start_protocol(self.comm.world.Split(self.comm.replica, self.comm.shard))
+        self._start_protocol(mates)
 
     def start_replacement(self, joining: Joining, host: JobHost) -> None:
         """This process replaces a lost rank: everything of :meth:`start` that needs no survivor.

@@ -72,10 +72,10 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, NoReturn, Protocol, TextIO
 
-from lightning_recover.runtime.markers import ENV_STATUS_DIR, QUORUM_MARKER
+from lightning_recover.runtime.markers import ENV_STATUS_DIR, QUORUM_MARKER, START_LOST_MARKER
 
 
 class JobComm(Protocol):
@@ -119,8 +119,9 @@ CRASH_SIGNAL = signal.SIGKILL
 #: ``exited`` (stopped on purpose with a non-zero status), ``raised`` (an uncaught exception
 #: ended the rank; the file holds the exception's type name, then its last traceback line).
 #: ``done`` (left by the last world's leader at the end of the job: that world's members).
-Status = Literal["started", "ok", "exited", "raised", "done"]
-STATUSES: tuple[Status, ...] = ("started", "ok", "exited", "raised", "done")
+#: ``init`` (holding ``HOST PID``: the strategy starts this rank, MPI is not up yet).
+Status = Literal["init", "started", "ok", "exited", "raised", "done"]
+STATUSES: tuple[Status, ...] = ("init", "started", "ok", "exited", "raised", "done")
 #: Prefix of the files ranks claim in the status directory so one traceback is printed once.
 PRINTED_PREFIX = "printed."
 #: Environment variables that tell a rank it was started by mpiexec / a PMIx launcher.
@@ -168,6 +169,38 @@ def prepare_mpi() -> bool:
         return False
     mpi4py.rc.finalize = False
     return True
+
+
+def mark_init() -> None:
+    """Leave the ``init`` marker (this host and pid) before ``MPI_Init``: a rank that never brings its
+    communicator up is then named with its host by the launcher (:mod:`lightning_recover.cli.startup`).
+    The rank comes from the launcher's environment; outside one this does nothing."""
+    rank = next((os.environ[v] for v in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK") if os.environ.get(v, "").isdigit()), None)
+    if rank is not None:
+        import socket
+
+        mark_status("init", int(rank), f"{socket.gethostname()} {os.getpid()}")
+
+
+def lost_at_start(rank: int, lost: Sequence[int], where: str) -> NoReturn:
+    """Leave because a peer was lost while the job started, before the communicator came up.
+
+    The world is fixed when MPI starts, and no communicator exists yet to repair, so this
+    launch cannot go on: every survivor that sees the failure leaves here, with an
+    ``exited`` marker holding ``lost at start: ...`` from which the launcher prints the one
+    line naming the lost ranks, their hosts and the fix (ranks started without the launcher
+    print it themselves). It leaves by SIGTERM, never a plain non-zero exit, which Open MPI's
+    runtime would answer by aborting the job and waiting forever (:mod:`lightning_recover.cli.runner`).
+    """
+    detail = f"{START_LOST_MARKER}: rank(s) {sorted(lost)} died {where}"
+    if not os.environ.get(ENV_STATUS_DIR):
+        print(
+            f"[lightning-recover] rank {rank}: {detail}; this launch cannot start without them: relaunch "
+            "(lightning-recover launch --supervise does it)",
+            file=sys.stderr, flush=True,
+        )
+    mark_status("exited", rank, detail)
+    _leave_by(signal.SIGTERM)
 
 
 def start_rank(rank: int, world_size: int, end_of_job: Callable[[], None] | None = None) -> None:

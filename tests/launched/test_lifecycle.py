@@ -429,7 +429,7 @@ def test_mark_status(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_STATUS_DIR, str(tmp_path))
     lifecycle.mark_status("exited", 7)
     assert os.listdir(tmp_path) == ["exited.7"]
-    with pytest.raises(ValueError, match="status marker must be one of started, ok, exited, raised, done, got 'finished'"):
+    with pytest.raises(ValueError, match="status marker must be one of init, started, ok, exited, raised, done, got 'finished'"):
         lifecycle.mark_status("finished", 7)  # type: ignore[arg-type]
     monkeypatch.setenv(ENV_STATUS_DIR, str(tmp_path / "gone"))
     lifecycle.mark_status("ok", 7)  # outside a launched job (or after cleanup): silently nothing
