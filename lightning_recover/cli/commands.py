@@ -15,8 +15,8 @@ from collections.abc import Callable
 SUPERVISE_HELP = """\
 supervised mode (--supervise): when the job ends in a way no rank can repair in place -- Open
 MPI's runtime lost a host's daemon and aborted the whole job (mpiexec still says 0), every
-replica died, the ledger stopped growing for --stall-timeout seconds, or the job stopped below
-min_replicas -- the same command is relaunched from the newest checkpoint in --checkpoint-dir,
+replica died, a rank was lost before its communicator came up, the ledger stopped growing for
+--stall-timeout seconds, or the job stopped below min_replicas -- the same command is relaunched from the newest checkpoint in --checkpoint-dir,
 with RESUME_ARG (default '++ckpt_path=last') appended (replacing the command's own value of that
 key), on the hosts that remain: --hosts/--hostfile (or the Slurm allocation's nodes) minus every
 host PRRTE named as lost or that does not answer a probe through mpiexec's ssh agent. A

@@ -32,7 +32,7 @@ from lightning_recover.cli.hosts import local_host_names, probe_unreachable
 from lightning_recover.cli.job_status import JobMarkers, final_words
 from lightning_recover.cli.mpiexec import build_command, launch_env, safe_coll_note
 from lightning_recover.cli.startup import StartWatch
-from lightning_recover.cli.runner import STALLED_STATUS, run_supervised
+from lightning_recover.cli.runner import STALLED_STATUS, START_LOST_STATUS, run_supervised
 from lightning_recover.cli.supervision import (
     RELAUNCHABLE,
     Host,
@@ -341,7 +341,8 @@ def supervise(
                 status = run_supervised(argv, env, nprocs=plan.nprocs if local else None, watch=watch,
                                         stdout=pipes[0][1], stderr=pipes[1][1], on_signal=interrupted.append,
                                         finished=lambda d=status_dir, n=plan.nprocs: JobMarkers.read(d).over(n),
-                                        refused=lambda d=status_dir: JobMarkers.read(d).refused)
+                                        refused=lambda d=status_dir: JobMarkers.read(d).refused,
+                                        start_watch=StartWatch(status_dir, plan.nprocs, all_local=local).poll)
             finally:
                 for _, w in pipes:
                     os.close(w)
@@ -362,7 +363,7 @@ def supervise(
             outcome = Outcome(
                 plan.nprocs, status, tail, started=frozenset(markers.started), ok=frozenset(markers.ok),
                 exited=frozenset(markers.ended - markers.ok), no_quorum=frozenset(markers.no_quorum), raised={r: s for r, (_, s) in markers.raised.items()},
-                stalled=status == STALLED_STATUS,
+                stalled=status == STALLED_STATUS, lost_at_start=status == START_LOST_STATUS or bool(markers.lost_at_start),
             )
             if pending is not None and ledger is not None:  # this attempt was a relaunch: how long until it was back
                 started = _started_at(status_dir)

@@ -91,13 +91,14 @@ Cause = Literal[
     "too_few_replicas",  # the job stopped itself below min_replicas (status 3)
     "no_quorum",  # ranks stopped because their side of a failure lost the quorum (SIGUSR2)
     "runtime_start_failed",  # Open MPI's runtime (or a daemon) did not come up: no rank ran
+    "lost_at_start",  # a rank was lost before its communicator came up (lightning_recover.cli.startup)
     "raised",  # the program raised an uncaught exception and no rank finished
     "stopped",  # the program stopped on purpose with another status (e.g. 2, a configuration error)
     "not_started",  # no rank came up and the runtime did not say why: the command itself failed
 ]
 #: Causes that a relaunch can cure (the machines failed, or the job stopped by policy).
 RELAUNCHABLE: frozenset[Cause] = frozenset(
-    {"lost_daemon", "stalled", "died", "too_few_replicas", "no_quorum", "runtime_start_failed"}
+    {"lost_daemon", "stalled", "died", "too_few_replicas", "no_quorum", "runtime_start_failed", "lost_at_start"}
 )
 
 
@@ -203,6 +204,8 @@ class Outcome:
     no_quorum: frozenset[int] = frozenset()  # of ``exited``: stopped by the quorum rule
     raised: Mapping[int, str] = field(default_factory=dict)
     stalled: bool = False
+    #: a rank was lost before its communicator came up (the start watch's status, or the survivors' markers)
+    lost_at_start: bool = False
 
 
 def classify(outcome: Outcome) -> Cause:
@@ -213,6 +216,8 @@ def classify(outcome: Outcome) -> Cause:
         return "lost_daemon"
     if outcome.stalled:
         return "stalled"
+    if outcome.lost_at_start:
+        return "lost_at_start"
     if outcome.no_quorum:
         # Before "raised": a rank of the stopping side may raise on its way out.
         return "no_quorum"
@@ -324,6 +329,7 @@ _WHY: dict[Cause, str] = {
     "too_few_replicas": f"the job stopped below min_replicas (status {TOO_FEW_REPLICAS_STATUS})",
     "no_quorum": "no side of the failure held a quorum (a lost or cut-off host with half the replicas and the leader)",
     "runtime_start_failed": "Open MPI's runtime did not start on every host",
+    "lost_at_start": "a rank was lost while the job started, before its communicator came up",
     "raised": "the program raised an uncaught exception",
     "stopped": "the program stopped on purpose",
     "not_started": "no rank came up: the command failed before MPI started",

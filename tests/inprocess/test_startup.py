@@ -153,3 +153,15 @@ def test_start_timeout_and_rank_of(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_supervisor_relaunches_a_job_lost_at_start() -> None:
+    from lightning_recover.cli.supervision import Host, Outcome, SupervisionPolicy, classify, decide, first_plan
+
+    policy = SupervisionPolicy(max_relaunches=1)
+    plan = first_plan(policy, (Host("a", 2),), 2)
+    lost = Outcome(2, RUNNER_STATUS, started=frozenset({0}), exited=frozenset({0}), lost_at_start=True)
+    assert classify(lost) == "lost_at_start"
+    first = decide(policy, plan, lost, relaunches_done=0, target_nprocs=2)
+    assert first.action == "relaunch" and "lost while the job started" in first.reason
+    assert decide(policy, plan, lost, relaunches_done=1, target_nprocs=2).action == "give_up", "bounded like any relaunch"

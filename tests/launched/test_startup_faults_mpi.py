@@ -5,19 +5,23 @@ strategy) the job cannot go on: it ends within its bound with exit status 69 and
 naming the lost rank, its host and the fix, no traceback. From the communicator on
 (``setup``, ``configure_model``, ``broadcast``: the first broadcast of the weights,
 ``checkpoint``: while resuming) the survivor goes on without that replica and its ledger is
-exact: every step committed once with the same B.
+exact: every step committed once with the same B. Under ``--supervise`` a launch lost at start is
+relaunched, within ``--max-relaunches``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from harness.mpirun import run_mpi
+from harness.mpirun import ROOT, run_mpi
 
 from lightning_recover.audit.ledger import read_ledger
 from lightning_recover.audit.ledger_check import check_ledger
@@ -67,3 +71,14 @@ def test_a_rank_lost_after_the_communicator_leaves_the_survivor_training_exactly
     verdict = check_ledger(tmp_path / "ledger.jsonl")
     assert verdict.ok, verdict.problems
     print(f"rank lost at {point}: the survivor finished {steps} steps in {took:.1f} s")
+
+
+def test_the_supervisor_relaunches_a_launch_lost_at_start_within_its_bound(tmp_path: Path) -> None:
+    # Rank 1 dies before MPI_Init on every attempt (a node that stays broken): one relaunch, then it gives up.
+    cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", "2", "--supervise", "--checkpoint-dir", str(tmp_path / "ckpt"),
+           "--max-relaunches", "1", "--relaunch-backoff", "0.1", "--", sys.executable, WORKER, "--die", "start", "--steps", "1"]
+    env = dict(os.environ, LR_TEST_OUT=str(tmp_path), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert LOST.findall(done.stderr) == [socket.gethostname()] * 2, done.stderr
+    assert "relaunch 1/1" in done.stderr and "giving up: a rank was lost while the job started" in done.stderr, done.stderr
+    assert done.returncode == 69, done.stderr
