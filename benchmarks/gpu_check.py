@@ -165,6 +165,11 @@ def _prepare(cfg: dict[str, Any]) -> None:
         # The same microbatch gives the same gradient wherever it is computed (a survivor replays the lost
         # replica's): deterministic kernels (CUBLAS_WORKSPACE_CONFIG is set by the launcher's environment).
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # Attention through the math kernels: the flash and memory-efficient backwards accumulate with
+        # atomics (not bitwise reproducible). Ours and stock alike, so the overhead ratio stays fair.
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 # ---------------------------------------------------------------------- the ranks, the stock run, the reference
@@ -348,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default=None, help="the llama/overhead model: 1B on CUDA (default), tiny on CPU")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per launched run")
     args = ap.parse_args(argv)
+    # Before CUDA starts in this process (the one-process references run here): deterministic cuBLAS.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device

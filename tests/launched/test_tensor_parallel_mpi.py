@@ -86,3 +86,23 @@ def test_killed_tp_rank_takes_its_replica_through_the_gate(tmp_path: Path, fault
     assert survivor.keys() == reference.keys()
     for k in reference:
         torch.testing.assert_close(survivor[k], reference[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k} vs the fault-free TP run: {m}")
+
+
+def test_fsdp_by_tp_in_one_replica_matches_a_single_process(tmp_path: Path) -> None:
+    # One replica of 4 ranks, FSDP 2 x TP 2: each data-parallel index computes its half of a
+    # microbatch (both TP ranks of an index the same half), FSDP2 sums over the data-parallel
+    # ranks on the MPI replica plane (the mates of one TP index), the divisor is B x 2.
+    from llama_worker import reference_run
+
+    args = ["--shards", "4", "--tp", "2", "--steps", str(STEPS)]
+    job = launch(tmp_path, args=args)
+    results = job.results()
+    assert {(r["dp_index"], r["tp_index"]) for r in results.values()} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for res in results.values():
+        assert res["mesh"] == {"names": ["data_parallel", "tensor_parallel"], "shape": [2, 2]}
+        assert res["replica_plane"] == "mpi" and res["replica_plane_calls"] > 0, "FSDP2's collectives ran on MPI"
+    ref_losses, ref_params = reference_run(args, replicas=1)
+    assert [line["loss"] for line in read_ledger(tmp_path / "ledger.jsonl")] == pytest.approx(ref_losses, rel=1e-5)
+    (final,) = params(job).values()
+    for k in ref_params:
+        torch.testing.assert_close(final[k], ref_params[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
