@@ -25,6 +25,18 @@ from lightning_recover.audit.ledger import LedgerFormatError, MembershipTable, r
 
 __all__ = ["LedgerVerdict", "check_ledger", "main"]
 
+#: The loss tolerance for a run's precision (the ledger's ``precision``, Lightning's name for it):
+#: a recovered step sums the same gradients in another grouping, exact to float roundoff, which
+#: a low-precision run amplifies (bf16-mixed: within 1.3e-4 after one recovered step, seen with a
+#: transformers LLaMA; a long run drifts further). fp32 keeps the old default.
+RTOL_BY_PRECISION: dict[str, float] = {
+    "64-true": 1e-8, "64": 1e-8,
+    "32-true": 1e-4, "32": 1e-4,
+    "16-mixed": 5e-3, "16-true": 5e-3, "16": 5e-3,
+    "bf16-mixed": 1e-2, "bf16-true": 1e-2, "bf16": 1e-2,
+}
+DEFAULT_RTOL = RTOL_BY_PRECISION["32-true"]
+
 _MAX_PRINTED_PROBLEMS = 20
 _MAX_LISTED_IDS = 10
 
@@ -42,7 +54,9 @@ class LedgerVerdict:
     first_step: int | None = None
     last_step: int | None = None
     reference: str | None = None
-    rtol: float = 1e-4
+    rtol: float = DEFAULT_RTOL
+    #: Where ``rtol`` came from: "--rtol", or the precision the ledger records.
+    rtol_source: str = "default"
     #: Replicas admitted by hot re-join over the ledger (the lines' ``joined``).
     joins: int = 0
     # The problem that names first_bad_step (or the first one), for the verdict line.
@@ -55,7 +69,7 @@ class LedgerVerdict:
             if self.joins:
                 line += f", {self.joins} join{'s' if self.joins != 1 else ''}"
             if self.reference is not None:
-                line += f", loss matches the reference within rtol={self.rtol:g}"
+                line += f", loss matches the reference within rtol={self.rtol:g} ({self.rtol_source})"
             return line
         head = self.headline or (self.problems[0] if self.problems else "unknown problem")
         more = f" ({len(self.problems)} problems)" if len(self.problems) > 1 else ""
@@ -195,16 +209,27 @@ def _check_joins(problems: _Problems, step: int, rec: Mapping[str, Any], prev: M
     return len(joined)
 
 
+def rtol_for(records: Sequence[Mapping[str, Any]]) -> tuple[float, str]:
+    """The loss tolerance for the precision a ledger records (the loosest of its lines), and why."""
+    found = {str(r["precision"]) for r in records if r.get("precision") is not None}
+    known = {p: RTOL_BY_PRECISION[p] for p in found if p in RTOL_BY_PRECISION}
+    if not known:
+        return DEFAULT_RTOL, "the default for fp32; the ledger records no precision"
+    precision = max(known, key=known.__getitem__)
+    return known[precision], f"for {precision} precision"
+
+
 def check_ledger(
     path: str | os.PathLike[str],
     reference: str | os.PathLike[str] | None = None,
-    rtol: float = 1e-4,
+    rtol: float | None = None,
     policy: str | None = None,
 ) -> LedgerVerdict:
     """Audit a ledger: exactly-once ids and constant B (StaticWorld), optionally vs a reference.
 
     `policy` overrides the per-line "policy" key (default "static"); AdaptiveWorld lines are
     only checked for ids that are unique, inside their step's range and counted right.
+    `rtol` None: the tolerance fits the precision the ledger records (:data:`RTOL_BY_PRECISION`).
     """
     problems = _Problems()
     ref_name = os.fspath(reference) if reference is not None else None
@@ -212,10 +237,11 @@ def check_ledger(
         records = read_ledger(path, raw=True)
     except (OSError, LedgerFormatError) as exc:
         problems.add(None, f"cannot read ledger: {exc}")
-        return problems.verdict(steps=0, reference=ref_name, rtol=rtol)
+        return problems.verdict(steps=0, reference=ref_name, rtol=rtol if rtol is not None else DEFAULT_RTOL)
     if not records:
         problems.add(None, f"ledger {os.fspath(path)} has no steps")
-        return problems.verdict(steps=0, reference=ref_name, rtol=rtol)
+        return problems.verdict(steps=0, reference=ref_name, rtol=rtol if rtol is not None else DEFAULT_RTOL)
+    rtol, rtol_source = (rtol, "--rtol") if rtol is not None else rtol_for(records)
 
     # The run's B is the most common one, so a single bad line is blamed, not all others.
     Bs = Counter(r["B"] for r in records if _is_int(r.get("B")) and r["B"] > 0)
@@ -286,6 +312,7 @@ def check_ledger(
         last_step=steps_seen[-1] if steps_seen else None,
         reference=ref_name,
         rtol=rtol,
+        rtol_source=rtol_source,
         joins=n_joins,
     )
 
@@ -346,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("ledger", help="the ledger (JSON lines) to check")
     parser.add_argument("--reference", help="a fault-free run's ledger to compare losses with")
     parser.add_argument(
-        "--rtol", type=float, default=1e-4, help="relative tolerance for losses (default 1e-4)"
+        "--rtol", type=float, default=None,
+        help="relative tolerance for losses (default: by the precision the ledger records: 1e-4 for fp32, 5e-3 for fp16, 1e-2 for bf16)",
     )
     parser.add_argument(
         "--policy",
@@ -355,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         help="override the ledger's policy key (default: per line, static if absent)",
     )
     args = parser.parse_args(argv)
-    if not args.rtol >= 0:
+    if args.rtol is not None and not args.rtol >= 0:
         parser.error(f"--rtol must be >= 0, got {args.rtol}")
     verdict = check_ledger(
         args.ledger, reference=args.reference, rtol=args.rtol, policy=args.policy

@@ -103,3 +103,32 @@ def test_a_torn_tail_of_a_compact_ledger_is_dropped(tmp_path: Path) -> None:
     path.write_text(whole + whole.splitlines()[3][:40])
     assert [r["step"] for r in read_ledger(path, torn_tail=True)] == list(range(10))
     assert read_ledger(path, torn_tail=True)[-1]["replicas"] == [0, 2, 3]
+
+
+def precision_pair(tmp_path: Path, precision: str | None, rel: float) -> tuple[Path, Path]:
+    """A run's ledger and a reference whose losses differ by ``rel`` (relative) in one step."""
+    run, ref = tmp_path / f"run-{precision}.jsonl", tmp_path / "ref.jsonl"
+    write_fixture_run(run)
+    lines = read_ledger(run, raw=True)
+    ref.write_text("".join(json.dumps({"step": r["step"], "loss": r["loss"]}) + "\n" for r in lines))
+    for r in lines:
+        if precision is not None:
+            r["precision"] = precision
+    lines[5]["loss"] *= 1 + rel
+    run.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return run, ref
+
+
+def test_check_ledger_fits_its_tolerance_to_the_precision_the_ledger_records(tmp_path: Path) -> None:
+    run, ref = precision_pair(tmp_path, "bf16-mixed", 3e-3)
+    verdict = check_ledger(run, reference=ref)
+    assert verdict.ok and verdict.summary_line().endswith("within rtol=0.01 (for bf16-mixed precision)"), verdict.summary_line()
+    # The same difference in an fp32 run is a problem, and so is one past bf16's tolerance.
+    run32, ref = precision_pair(tmp_path, "32-true", 3e-3)
+    assert not check_ledger(run32, reference=ref).ok
+    assert not check_ledger(*precision_pair(tmp_path, "bf16-mixed", 3e-2)).ok
+    # An explicit --rtol wins and is named; a ledger without precision keeps fp32's 1e-4.
+    assert check_ledger(run32, reference=ref, rtol=1e-2).summary_line().endswith("(--rtol)")
+    old, ref = precision_pair(tmp_path, None, 0.0)
+    assert check_ledger(old, reference=ref).summary_line().endswith(
+        "within rtol=0.0001 (the default for fp32; the ledger records no precision)")

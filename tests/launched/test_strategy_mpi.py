@@ -72,6 +72,8 @@ def test_fault_free_matches_single_process_accumulation(fault_free: dict[str, MP
     assert verdict.ok, verdict.problems
     # Every step reduced across replicas during its last backward (recover.overlap defaults on).
     assert [line["overlapped"] for line in read_ledger(job.outdir / "ledger.jsonl")] == [True] * STEPS
+    # The ledger records the run's precision, which check-ledger fits its loss tolerance to.
+    assert {line["precision"] for line in read_ledger(job.outdir / "ledger.jsonl")} == {"32-true"}
     # On CPU with the MPI data plane, FSDP2's in-replica collectives ran on MPI (replica_plane=auto).
     results = job.results().values()
     assert {res["replica_plane"] for res in results} == {"mpi"}
