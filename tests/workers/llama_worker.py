@@ -46,6 +46,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ac", action="store_true", help="activation checkpointing on every block (configure_model)")
     ap.add_argument("--compile", default=None, help="torch.compile every block with this backend (configure_model)")
     ap.add_argument("--replica-plane", default="auto")
+    ap.add_argument("--ckpt-dir", default=None, help="recover.checkpoint.dir (every --ckpt-every steps)")
+    ap.add_argument("--ckpt-every", type=int, default=1)
+    ap.add_argument("--resume", action="store_true", help="fit from the newest checkpoint in --ckpt-dir")
     return ap.parse_args(argv)
 
 
@@ -149,7 +152,7 @@ def reference_run(argv: list[str], replicas: int) -> tuple[list[float], dict[str
 
 
 def main() -> None:
-    from lightning_recover.callbacks import FaultInjection
+    from lightning_recover.callbacks import FaultInjection, resolve_ckpt_path
     from lightning_recover.strategies import ReCoVerHSDPStrategy
 
     args = parse()
@@ -160,12 +163,14 @@ def main() -> None:
         bucket_mb=0.01, replica_plane=args.replica_plane, sdc_every_n_steps=0,
         # The first step compiles each block (tens of seconds on a loaded 2-core machine), without progress ticks.
         stuck_timeout_s=600.0 if args.compile else None,
+        **({"checkpoint_dir": args.ckpt_dir, "checkpoint_every_n_steps": args.ckpt_every} if args.ckpt_dir else {}),
     )
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, callbacks=[FaultInjection(json.loads(args.faults))],
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
-    trainer.fit(model, DataLoader(data, batch_size=args.mbs))
+    ckpt = resolve_ckpt_path("last", args.ckpt_dir) if args.resume else None
+    trainer.fit(model, DataLoader(data, batch_size=args.mbs), ckpt_path=ckpt)
     comm = strategy.comm
     assert comm is not None
     mesh = strategy.device_mesh
