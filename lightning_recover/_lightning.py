@@ -20,7 +20,7 @@ from typing import Any
 CHECKED_WITH = "2.6.6"
 
 #: Private member (``Class.attribute``: ``Trainer``, ``LightningModule``, ``CSVLogger``, the CSV
-#: ``ExperimentWriter`` of ``lightning.pytorch``) -> (where it is used, why no public API serves).
+#: ``ExperimentWriter`` of ``lightning.pytorch``; ``Metric`` of torchmetrics, Lightning's metrics package) -> (where it is used, why no public API serves).
 PRIVATE: dict[str, tuple[str, str]] = {
     "Trainer._accelerator_connector": (
         "no_distributed_sampler", "the Trainer's use_distributed_sampler has no setter after construction; data placement is the planner's"),
@@ -36,6 +36,12 @@ PRIVATE: dict[str, tuple[str, str]] = {
         "(its _first_loop_iter); whether this step's values reach the loggers (its should_update_logs)"),
     "LightningModule._current_fx_name": (
         "logging_as_training_step", "values logged by every microbatch file under training_step, as with accumulate_grad_batches"),
+    "Metric._reductions": (
+        "metric_reductions; strategies/step_metrics.py", "how torchmetrics syncs each state (sum, mean, cat, ...): "
+        "no public accessor; only summed states are recovered after a loss"),
+    "Metric._computed": (
+        "forget_computed; strategies/step_metrics.py", "a metric's cached compute() result: states written at a commit "
+        "must not return a value cached before (update() clears it the same way)"),
     "CSVLogger._experiment": (
         "loggers.py", "the CSV writer has no setter; a new leader's writer must continue the file"),
     "Precision._after_closure": (
@@ -125,3 +131,13 @@ def set_logger_version(logger: Any, version: Any) -> bool:
 def unwrapped_optimizer(optimizer: Any) -> Any:
     """The torch optimizer inside a ``LightningOptimizer`` (any other optimizer as it is)."""
     return getattr(optimizer, "_optimizer", optimizer)
+
+
+def metric_reductions(metric: Any) -> dict[str, Any]:
+    """How a torchmetrics ``Metric`` syncs each of its states (its ``dist_reduce_fx``, as a function)."""
+    return dict(metric._reductions)
+
+
+def forget_computed(metric: Any) -> None:
+    """Drop a torchmetrics ``Metric``'s cached ``compute()`` result, as its ``update()`` does."""
+    metric._computed = None

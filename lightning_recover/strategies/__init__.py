@@ -13,6 +13,7 @@
   probes          watchdog progress and fault-injection points of a step
   checkpoint_io   the fallback checkpoint's file layout
   step_logs       self.log inside a step: reduced once, at the commit
+  step_metrics    torchmetrics states updated in a step: summed once per microbatch, at the commit
   evaluation_loader  validation/test/predict batches split across live replicas, the evaluation steps
 """
 

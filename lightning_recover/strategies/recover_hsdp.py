@@ -108,7 +108,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.job = RecoveryJob(RecoverConfig.build(config, **settings))
         self._replica_collectives: tuple[Any, ...] = ()
         self._device_mesh: DeviceMesh | None = None
-        self._logging = StepLogging(lambda: self.lightning_module)
+        self._logging = StepLogging(lambda: self.lightning_module, lambda: self.global_rank == 0)
         self._steps = TrainingSteps(self, super().training_step, self._logging)
         self._eval = EvaluationSteps(lambda: self.probes, self.replica_guard)
         self._checkpoints = Checkpoints(self.job, self._protocol_state, self.replica_guard)

@@ -7,7 +7,8 @@ consistent with both:
 * each microbatch logs as one batch of the epoch (:meth:`StepLogging.as_batch`);
 * what a microbatch logs with ``sync_dist=True`` is captured for the commit's reduction
   and written back once the step committed (:class:`~.step_logs.StepLogs`: :meth:`begin_step`,
-  :meth:`start`, :meth:`capture`, :meth:`apply`);
+  :meth:`start`, :meth:`capture`, :meth:`apply`), and so is what it adds to the states of the
+  module's torchmetrics (:class:`~.step_metrics.StepMetrics`);
 * the committed step's own values (loss, live replicas, world epoch, faults) are logged
   (:meth:`log_committed`);
 * every rank agrees on the loggers' versions and keeps what the leader logs, so a new
@@ -32,6 +33,7 @@ from lightning_recover.callbacks.loggers import LeaderLogs
 from lightning_recover.recovery.engine import StepEngine
 from lightning_recover.recovery.step_values import Values
 from lightning_recover.strategies.step_logs import StepLogs
+from lightning_recover.strategies.step_metrics import StepMetrics
 
 __all__ = ["StepLogging"]
 
@@ -39,9 +41,11 @@ __all__ = ["StepLogging"]
 class StepLogging:
     """The strategy's logging state for one job; ``module()`` is the LightningModule (None before setup)."""
 
-    def __init__(self, module: Callable[[], LightningModule | None]) -> None:
+    def __init__(self, module: Callable[[], LightningModule | None], is_leader: Callable[[], bool] = lambda: True) -> None:
         self._module = module
+        self._is_leader = is_leader
         self._step_logs = StepLogs()
+        self._metrics = StepMetrics()
         self._bases: dict[str, tuple[float, float]] = {}
         #: The step-local id of the microbatch running (its logged values are recorded under it).
         self.offset = 0
@@ -52,20 +56,23 @@ class StepLogging:
         return _lightning.fit_results(self._module())
 
     def begin_step(self) -> None:
-        """A step begins: the epoch totals it starts from."""
+        """A step begins: the epoch totals it starts from (logged values and torchmetrics states)."""
         self._bases = self._step_logs.begin_step(self._results())
+        self._metrics.begin_step(self._module())
 
     def start(self) -> None:
         """A microbatch begins."""
         self._step_logs.start(self._results())
+        self._metrics.start(self._module())
 
     def capture(self, engine: StepEngine) -> None:
-        """What the microbatch just computed logged with sync_dist, for the commit's reduction."""
-        engine.record_logged(self.offset, self._step_logs.capture(self._results()))
+        """What the microbatch just computed logged with sync_dist, and added to torchmetrics states, for the commit's reduction."""
+        engine.record_logged(self.offset, {**self._step_logs.capture(self._results()), **self._metrics.capture(self._module())})
 
     def apply(self, totals: dict[str, Values], world_size: int) -> None:
-        """The step committed: its reduced values go back into Lightning's results."""
+        """The step committed: its reduced values go back into Lightning's results and the metrics' states."""
         self._step_logs.apply(self._results(), totals, self._bases, world_size)
+        self._metrics.apply(self._module(), totals, leader=self._is_leader())
 
     @contextmanager
     def as_batch(self, batch: Any, first: bool) -> Iterator[None]:
@@ -151,5 +158,6 @@ class StepLogging:
     def on_membership(self, world_size: int, is_leader: bool) -> None:
         """The world changed (a repair or a join): the summed epoch totals and the leadership follow."""
         self._step_logs.rescale(world_size)
+        self._metrics.rehome(self._module(), leader=is_leader)
         if self.leader_logs is not None:
             self.leader_logs.leadership(is_leader)

@@ -46,6 +46,9 @@ class _Written:
     tensor: Tensor
     value: float
     weight: float
+    #: The tensor holds this rank's share of a sum (``value / world size``), which a change of world re-spreads;
+    #: a mean's accumulators hold the whole total on every rank and stay.
+    share: bool
 
 
 def _synced(result: Any) -> bool:
@@ -112,10 +115,16 @@ class StepLogs:
                 self._write(key, r, base_value + value, base_weight + weight)
 
     def rescale(self, world_size: int) -> None:
-        """The world changed between commits: a summed epoch total is again spread over every rank."""
+        """The world changed between commits: a summed epoch total is again spread over every rank.
+
+        Only sums are shares: a mean's accumulators hold the epoch's whole total on every rank
+        (Lightning's epoch-end sync averages identical values), and dividing them left
+        ``train_loss_epoch`` divided by the live ranks after a loss in the epoch's last
+        validation (issue 34)."""
         self._world_size = world_size
         for w in self._written.values():
-            w.tensor.fill_(w.value / world_size)
+            if w.share:
+                w.tensor.fill_(w.value / world_size)
 
     # ------------------------------------------------------------------ internals
     @staticmethod
@@ -151,4 +160,4 @@ class StepLogs:
         r.value = tensor
         if r.meta.is_mean_reduction:
             r.cumulated_batch_size = torch.tensor(weight, dtype=r.cumulated_batch_size.dtype, device=r.value.device)
-        self._written[key] = _Written(tensor, value, weight)
+        self._written[key] = _Written(tensor, value, weight, share=bool(r.meta.is_sum_reduction))

@@ -2,7 +2,7 @@
 messages and the warnings the strategy itself would cause.
 
 The launched side (a run with a kill: no ``NBC_`` line, one banner) is
-``tests/launched/test_console_mpi.py``; here each piece is held to its contract on its own.
+``tests/launched/test_user_epoch_mpi.py``; here each piece is held to its contract on its own.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
@@ -26,6 +27,7 @@ def _instances(tmp: Path) -> dict[str, object]:
         "ExperimentWriter": ExperimentWriter(str(tmp / "w")),
         "Precision": Precision(),
         "LightningOptimizer": LightningOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)),
+        "Metric": torchmetrics.MeanMetric(),
     }
 
 
