@@ -351,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "gpu_check")
     ap.add_argument("--size", default=None, help="the llama/overhead model: 1B on CUDA (default), tiny on CPU")
-    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per launched run")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per launched run at most")
+    ap.add_argument("--budget", type=float, default=480.0,
+                    help="seconds for the whole check (a lent GPU's time is counted): a run is cut at what is left of it")
     args = ap.parse_args(argv)
     # Before CUDA starts in this process (the one-process references run here): deterministic cuBLAS.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -371,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
                               "cores": os.cpu_count(), "size": size, "checks": {}}
     checks = report["checks"]
 
+    def limit() -> float:
+        """A launched run's time limit: --timeout, or what is left of --budget (at least 20 s: a cut run fails its check)."""
+        return max(20.0, min(args.timeout, args.budget - (time.monotonic() - t_start)))
+
     def record(name: str, ok: bool, line: str, **details: Any) -> None:
         checks[name] = {"ok": ok, **details}
         print(f"gpu_check: {name:<10} {'ok  ' if ok else 'FAIL'} {line}", flush=True)
@@ -382,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     ref32 = reference({**base, "precision": "32-true"}, replicas=2)
     all_ok = True
     for plane in ("mpi", "gloo"):
-        run = launch(f"plane_{plane}", {**base, "precision": "32-true", "plane": plane, "faults": kill(1)}, 2, out, args.timeout)
+        run = launch(f"plane_{plane}", {**base, "precision": "32-true", "plane": plane, "faults": kill(1)}, 2, out, limit())
         cmp = compare(run, ref32, rtol=1e-4, atol=1e-6)
         # Every rank on the device under test (cuda:0 for all of them on one GPU), over the plane asked for.
         ok = (recovered(run, base["steps"]) and cmp["ok"] and run["first"]["data_plane"] == plane
@@ -395,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 2. bf16 gradients (bf16-true) over the MPI plane.
     cfg16 = {**base, "precision": "bf16-true", "plane": "mpi", "lr": 0.1}
-    run = launch("bf16", {**cfg16, "faults": kill(1)}, 2, out, args.timeout)
+    run = launch("bf16", {**cfg16, "faults": kill(1)}, 2, out, limit())
     cmp = compare(run, reference(cfg16, replicas=2), rtol=3e-2, atol=3e-2)
     record("bf16", recovered(run, base["steps"]) and cmp["ok"],
            f"bf16-true over MPI, one kill: loss max rel diff {cmp.get('loss_max_rel_diff', float('nan')):.2e} vs a bf16 process",
@@ -408,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     from llama import LLAMA_SIZES, LlamaConfig, parameter_count
 
     n_params = parameter_count(LlamaConfig(**LLAMA_SIZES[size]))
-    free = launch("llama_fault_free", {**big, "faults": []}, 2, out, args.timeout)
-    killed = launch("llama_kill", {**big, "faults": kill(1)}, 2, out, args.timeout)
+    free = launch("llama_fault_free", {**big, "faults": []}, 2, out, limit())
+    killed = launch("llama_kill", {**big, "faults": kill(1)}, 2, out, limit())
     ok_free = free["rc"] == 0 and len(free["losses"]) == steps and free["first"] is not None
     cmp = compare(killed, {"losses": free["losses"], "fingerprint": free["first"]["fingerprint"]}, rtol=1e-3, atol=1e-5) if ok_free else {"ok": False}
     record("llama", ok_free and recovered(killed, steps) and cmp["ok"],
@@ -419,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # 4. One replica under recover_hsdp vs stock ModelParallelStrategy: same samples, step time, peak memory.
     solo = {**big, "steps": 6 if device == "cuda" else 3, "grad_accum": 4, "faults": []}
-    ours = launch("overhead_recover", solo, 1, out, args.timeout)
-    theirs = run_stock(solo, out, args.timeout)
+    ours = launch("overhead_recover", solo, 1, out, limit())
+    theirs = run_stock(solo, out, limit())
     stock_res = theirs["result"]
     ok = ours["rc"] == 0 and ours["first"] is not None and stock_res is not None
     line = "a run failed"

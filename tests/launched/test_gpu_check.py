@@ -23,7 +23,7 @@ pytestmark = pytest.mark.mpi
 
 def test_gpu_check_passes_on_cpu_and_reports_every_check(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--out", str(tmp_path), "--timeout", "240"],
+        [sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--out", str(tmp_path), "--timeout", "240", "--budget", "800"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
