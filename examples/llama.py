@@ -219,6 +219,11 @@ class Llama(L.LightningModule):
         self.log("train_loss", loss, on_step=True)
         return loss
 
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("val_loss", F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)), sync_dist=True)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 

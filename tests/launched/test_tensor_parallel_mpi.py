@@ -42,11 +42,11 @@ def params(job: MPIJob) -> dict[int, dict[str, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory) -> MPIJob:
-    return launch(tmp_path_factory.mktemp("tp_fault_free"))
+    return launch(tmp_path_factory.mktemp("tp_fault_free"), args=[*ARGS, "--validate"])
 
 
 def test_tp_mesh_matches_a_single_process(fault_free: MPIJob) -> None:
-    from llama_worker import reference_run
+    from llama_worker import reference_run, validation_loss
 
     results = fault_free.results()
     assert sorted(results) == [0, 1, 2, 3]
@@ -66,6 +66,11 @@ def test_tp_mesh_matches_a_single_process(fault_free: MPIJob) -> None:
         assert p.keys() == ref_params.keys()
         for k in p:
             torch.testing.assert_close(p[k], ref_params[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    # trainer.validate() after fit: the held-out samples split over the replicas' data-parallel
+    # indices (both TP ranks of an index evaluate the same ones); the synced mean is one process's.
+    val = validation_loss(ref_params, ARGS)
+    for res in results.values():
+        assert res["validate"][0]["val_loss"] == pytest.approx(val, rel=1e-4), res["validate"]
 
 
 def test_killed_tp_rank_takes_its_replica_through_the_gate(tmp_path: Path, fault_free: MPIJob) -> None:

@@ -31,6 +31,8 @@ from llama import LLAMA_SIZES, Llama, canonical_name  # noqa: E402
 from model import ByteDataset, read_corpus  # noqa: E402
 
 CORPUS_BYTES = 100_000
+#: Held-out windows for --validate: the corpus bytes after the training ones.
+VAL_SAMPLES = 16
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +51,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ckpt-dir", default=None, help="recover.checkpoint.dir (every --ckpt-every steps)")
     ap.add_argument("--ckpt-every", type=int, default=1)
     ap.add_argument("--resume", action="store_true", help="fit from the newest checkpoint in --ckpt-dir")
+    ap.add_argument("--validate", action="store_true", help="after fit, trainer.validate() on VAL_SAMPLES held-out windows")
     return ap.parse_args(argv)
 
 
@@ -117,6 +120,23 @@ def build(args: argparse.Namespace) -> tuple[L.LightningModule, ByteDataset]:
     return model, ByteDataset(read_corpus(max_bytes=CORPUS_BYTES), LLAMA_SIZES["tiny"]["max_seq_len"])
 
 
+def validation_set() -> ByteDataset:
+    """VAL_SAMPLES windows of the corpus bytes that follow the training set's."""
+    seq = LLAMA_SIZES["tiny"]["max_seq_len"]
+    corpus = read_corpus(max_bytes=CORPUS_BYTES + VAL_SAMPLES * seq + 1)
+    return ByteDataset(corpus[CORPUS_BYTES:], seq)
+
+
+def validation_loss(params: dict[str, torch.Tensor], argv: list[str]) -> float:
+    """The mean token loss over the validation set of a one-process model holding ``params``."""
+    model, _ = build(parse(argv))
+    model.load_state_dict(params)
+    data = validation_set()
+    with torch.no_grad():
+        losses = [float(nn.functional.cross_entropy(model(x[None]).reshape(-1, 256).float(), y)) for x, y in data]
+    return sum(losses) / len(losses)
+
+
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
@@ -171,6 +191,7 @@ def main() -> None:
     )
     ckpt = resolve_ckpt_path("last", args.ckpt_dir) if args.resume else None
     trainer.fit(model, DataLoader(data, batch_size=args.mbs), ckpt_path=ckpt)
+    validated = trainer.validate(model, DataLoader(validation_set(), batch_size=args.mbs), verbose=False) if args.validate else None
     comm = strategy.comm
     assert comm is not None
     mesh = strategy.device_mesh
@@ -189,6 +210,7 @@ def main() -> None:
         "placements": placements, "replica_plane": strategy.replica_plane, "replica_plane_calls": strategy.replica_plane_calls,
         "compiled": sum("OptimizedModule" in type(m).__name__ for m in model.modules()),
         "recompute": sum(bool(getattr(m, "recompute", False)) for m in model.modules()),
+        "validate": validated,
     }
     (out / f"rank{comm.rank}.json").write_text(json.dumps(result))
 
