@@ -30,7 +30,7 @@ from typing import Any
 from lightning_recover.cli.console import ConsoleFilter, summary
 from lightning_recover.cli.hosts import local_host_names, probe_unreachable
 from lightning_recover.cli.job_status import JobMarkers, final_words
-from lightning_recover.cli.mpiexec import build_command, launch_env, safe_coll_note
+from lightning_recover.cli.mpiexec import build_command, launch_env, safe_coll_note, spans_hosts
 from lightning_recover.cli.startup import StartWatch
 from lightning_recover.cli.runner import STALLED_STATUS, START_LOST_STATUS, run_supervised
 from lightning_recover.cli.supervision import (
@@ -93,7 +93,8 @@ def launch(
             status = run_supervised(
                 argv, env, nprocs=nprocs if here else None, finished=lambda: JobMarkers.read(status_dir).over(nprocs),
                 refused=lambda: JobMarkers.read(status_dir).refused, stdout=stdout, stderr=stderr,
-                start_watch=StartWatch(status_dir, nprocs, all_local=here).poll,
+                # Ranks placed elsewhere by a --host passed through --mpi-arg are not in mpiexec's session here.
+                start_watch=StartWatch(status_dir, nprocs, all_local=here and not spans_hosts(argv)).poll,
             )
         status, words = final_words(JobMarkers.read(status_dir), nprocs, status)
     if words is not None:
@@ -342,7 +343,7 @@ def supervise(
                                         stdout=pipes[0][1], stderr=pipes[1][1], on_signal=interrupted.append,
                                         finished=lambda d=status_dir, n=plan.nprocs: JobMarkers.read(d).over(n),
                                         refused=lambda d=status_dir: JobMarkers.read(d).refused,
-                                        start_watch=StartWatch(status_dir, plan.nprocs, all_local=local).poll)
+                                        start_watch=StartWatch(status_dir, plan.nprocs, all_local=local and not spans_hosts(argv)).poll)
             finally:
                 for _, w in pipes:
                     os.close(w)

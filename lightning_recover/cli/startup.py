@@ -132,7 +132,10 @@ class StartWatch:
         inits = self._init_times()
         if inits and now - min(inits) > self.timeout_s:
             self.over = True
-            missing = sorted(set(range(self.nprocs)) - markers.started)
+            # The ranks that never reached the strategy's start are the lost ones; the others wait in
+            # MPI_Init for them. When every rank got that far, the ones without a communicator.
+            unstarted = set(range(self.nprocs)) - markers.started
+            missing = sorted(unstarted - set(markers.init)) or sorted(unstarted)
             return start_lost_line(
                 markers, self.nprocs, missing,
                 why=f", with no communicator {self.timeout_s:g} s after the first rank's start ({ENV_START_TIMEOUT}=SECONDS sets that bound)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -115,7 +116,16 @@ def test_ranks_elsewhere_get_a_bound_from_the_first_rank_start(tmp_path: Path) -
     clock.now += 2
     line = w.poll(list)
     assert line is not None
-    assert "rank 1 (host unknown: it never reached the strategy's start), rank 2 on host hostC, with no communicator 60 s" in line
+    assert "first step: rank 1 (host unknown: it never reached the strategy's start), with no communicator 60 s" in line
+    # Every rank reached the strategy's start, one never got its communicator: that one is named.
+    (tmp_path / "all").mkdir()
+    w, clock, _ = watch(tmp_path / "all", nprocs=2, all_local=False)
+    mark(tmp_path / "all", "init.0", "hostA 1", mtime=clock.now)
+    mark(tmp_path / "all", "init.1", "hostB 1", mtime=clock.now)
+    mark(tmp_path / "all", "started.0")
+    clock.now += 61
+    line = w.poll(list)
+    assert line is not None and "first step: rank 1 on host hostB, with no communicator" in line
     assert "LIGHTNING_RECOVER_START_TIMEOUT=SECONDS" in line
 
 
@@ -149,6 +159,9 @@ def test_start_timeout_and_rank_of(monkeypatch: pytest.MonkeyPatch) -> None:
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
+        deadline = time.monotonic() + 10
+        while rank_of(child.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # /proc/PID/environ is the new program's once the child has exec'd
         assert rank_of(child.pid) == 5 and rank_of(os.getpid()) is None  # this process's environ is its start's
     finally:
         child.kill()

@@ -6,7 +6,8 @@ naming the lost rank, its host and the fix, no traceback. From the communicator 
 (``setup``, ``configure_model``, ``broadcast``: the first broadcast of the weights,
 ``checkpoint``: while resuming) the survivor goes on without that replica and its ledger is
 exact: every step committed once with the same B. Under ``--supervise`` a launch lost at start is
-relaunched, within ``--max-relaunches``.
+relaunched, within ``--max-relaunches``; a rank lost on another host, which the launcher cannot see,
+is caught by the start bound (fake hosts).
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness.mpirun import ROOT, run_mpi
 
 from lightning_recover.audit.ledger import read_ledger
 from lightning_recover.audit.ledger_check import check_ledger
+from lightning_recover.testing.fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.mpi
 WORKER = "tests/workers/startup_worker.py"
@@ -32,9 +36,9 @@ WORKER = "tests/workers/startup_worker.py"
 LOST = re.compile(r"^\[lightning-recover\] lost while the job started, before its first step: rank 1 on host (\S+),.*relaunch", re.MULTILINE)
 
 
-def _launch(out: Path, *args: str, timeout: float = 120) -> tuple[object, float]:
+def _launch(out: Path, *args: str, timeout: float = 120, nprocs: int = 2, **options: Any) -> tuple[Any, float]:
     t0 = time.monotonic()
-    job = run_mpi(2, [WORKER, *args], out, timeout=timeout)
+    job = run_mpi(nprocs, [WORKER, *args], out, timeout=timeout, **options)
     return job, time.monotonic() - t0
 
 
@@ -82,3 +86,18 @@ def test_the_supervisor_relaunches_a_launch_lost_at_start_within_its_bound(tmp_p
     assert LOST.findall(done.stderr) == [socket.gethostname()] * 2, done.stderr
     assert "relaunch 1/1" in done.stderr and "giving up: a rank was lost while the job started" in done.stderr, done.stderr
     assert done.returncode == 69, done.stderr
+
+
+def test_a_rank_lost_before_mpi_init_on_another_host_ends_the_launch_at_the_start_bound(
+    tmp_path: Path, fake_cluster: Callable[..., FakeCluster]
+) -> None:
+    # 2 fake hosts x 2 ranks; rank 3 (host 1) dies before MPI_Init. The launcher on host 0 cannot see
+    # host 1's processes: the start bound (15 s from the first rank's init marker) ends the job.
+    cluster = fake_cluster(2)
+    job, took = _launch(tmp_path, "--die", "start", "--rank", "3", timeout=150, nprocs=4, cluster=cluster,
+                        env={"LIGHTNING_RECOVER_START_TIMEOUT": "15"})
+    line = re.search(r"^\[lightning-recover\] lost while the job started, before its first step: (.*)$", job.stderr, re.M)
+    assert line is not None, job.describe()
+    assert line.group(1).startswith("rank 3 (host unknown: it never reached the strategy's start), with no communicator 15 s"), line.group(1)
+    assert job.stderr.count("lost while the job started") == 1 and job.returncode == 69, job.describe()
+    assert took < 120, f"the launch took {took:.0f} s"
