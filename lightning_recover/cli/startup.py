@@ -20,7 +20,9 @@ every rank brought its communicator up (its ``started`` marker). It ends the job
 * the survivors left ``lost at start`` markers (they saw the loss after ``MPI_Init``); or
 * ranks elsewhere, which the launcher cannot see, have not all brought their communicator up
   within ``timeout_s`` (:data:`~lightning_recover.runtime.markers.ENV_START_TIMEOUT`, default
-  :data:`DEFAULT_START_TIMEOUT_S`) of the first rank's ``init`` marker.
+  :data:`DEFAULT_START_TIMEOUT_S`) of the first rank's ``init`` marker -- only when the status
+  directory is one every host shares (a marker from another host is there), as the launcher's
+  ``--status-dir`` must be across hosts; else their markers never arrive and nothing is bounded.
 
 Either way the line names the lost ranks with their hosts (from their ``init`` markers) and the fix.
 """
@@ -129,8 +131,11 @@ class StartWatch:
                 for r in gone:  # never seen, but every rank runs here
                     markers.init.setdefault(r, f"{here} ?")
                 return start_lost_line(markers, self.nprocs, gone, why=", whose process ended before its communicator came up")
+        # Ranks elsewhere are bounded only when their markers reach this directory (a --status-dir every
+        # host shares): with a directory of this host alone, a healthy job would look as if it never started.
+        shared = self.all_local or any(text.split()[:1] != [here] for text in markers.init.values())
         inits = self._init_times()
-        if inits and now - min(inits) > self.timeout_s:
+        if shared and inits and now - min(inits) > self.timeout_s:
             self.over = True
             # The ranks that never reached the strategy's start are the lost ones; the others wait in
             # MPI_Init for them. When every rank got that far, the ones without a communicator.

@@ -129,6 +129,18 @@ def test_ranks_elsewhere_get_a_bound_from_the_first_rank_start(tmp_path: Path) -
     assert "LIGHTNING_RECOVER_START_TIMEOUT=SECONDS" in line
 
 
+def test_no_bound_when_the_status_directory_is_this_hosts_alone(tmp_path: Path) -> None:
+    # Ranks on other hosts whose markers never reach this directory (not a shared --status-dir): their
+    # start cannot be judged, so a healthy job is never ended for it.
+    w, clock, _ = watch(tmp_path, nprocs=4, all_local=False)
+    mark(tmp_path, "init.0", f"{HERE} 1", mtime=clock.now)
+    mark(tmp_path, "init.1", f"{HERE} 2", mtime=clock.now)
+    mark(tmp_path, "started.0")
+    mark(tmp_path, "started.1")
+    clock.now += 10_000
+    assert w.poll(list) is None
+
+
 def test_the_watch_stops_once_every_rank_started(tmp_path: Path) -> None:
     w, _clock, _ranks = watch(tmp_path, nprocs=2)
     for r in (0, 1):
