@@ -325,7 +325,8 @@ class RecoveryJob:
         if self.comm is not None and self.global_rank == 0:
             print(
                 f"[lightning-recover] world epoch {self.comm.world_epoch}: lost replica(s) {list(res.lost_replicas)}; "
-                f"alive {list(self.comm.alive_replicas)}",
+                f"alive {list(self.comm.alive_replicas)}; repaired in {res.seconds:.3f} s ({res.rounds} round(s)); "
+                "the step goes on in place with the same batch",
                 file=sys.stderr,
                 flush=True,
             )

@@ -123,8 +123,13 @@ class Checkpoints:
             self.writer.save(checkpoint, filepath, step=step)
 
     def _remember(self, intent: SaveIntent, leader: int) -> None:
-        # Published saves need no memory; the rest wait for a publish or for the leader's loss.
-        self._intents = [i for i in self._intents if not i.published][-(MAX_INTENTS - 1):] + [intent]
+        # Published saves need no memory; the rest wait for a publish or for the leader's loss. An
+        # earlier step's save can only be forgotten, never written again: its state is let go.
+        kept = [i for i in self._intents if not i.published][-(MAX_INTENTS - 1):]
+        for i in kept:
+            if i.step != intent.step:
+                i.checkpoint = {}
+        self._intents = [*kept, intent]
         self._leader = leader
 
     def on_membership(self, trainer: Any) -> None:

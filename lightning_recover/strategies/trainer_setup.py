@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import warnings
@@ -37,6 +38,7 @@ from lightning_recover.callbacks import (
     fallback_checkpoint,
 )
 from lightning_recover.callbacks.checkpoint import is_fallback
+from lightning_recover.comm.interface import PeerFailure
 from lightning_recover.comm.replica_plane import resolve_replica_plane
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.recovery.hooks import dispatcher
@@ -123,6 +125,10 @@ def job_host(
 SRUN_ADVICE = r"The `srun` command is available on your system but is not used"
 
 
+#: What Lightning's ``utilities/_pytree.py`` makes torch warn in every process (nothing the user can change).
+LEAFSPEC_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+
+
 def quiet_console(rank: int) -> None:
     """Before the Trainer exists: Lightning's rank-zero messages (its "GPU available" banner, tips) print on
     this launch rank's rank zero only, and its srun advice is left out.
@@ -132,6 +138,24 @@ def quiet_console(rank: int) -> None:
     """
     rank_zero_only.rank = fabric_rank_zero_only.rank = rank
     warnings.filterwarnings("ignore", message=SRUN_ADVICE)
+    if rank != 0:
+        # Lightning 2.6's own use of a torch pytree API torch 2.13 deprecates: rank zero says it once.
+        warnings.filterwarnings("ignore", message=LEAFSPEC_DEPRECATION)
+    engine_log = logging.getLogger("lightning_recover.recovery.engine")
+    if not any(isinstance(f, _PeerFailureOnRankZero) for f in engine_log.filters):
+        engine_log.addFilter(_PeerFailureOnRankZero())
+
+
+class _PeerFailureOnRankZero(logging.Filter):
+    """The step engine's warning that a peer failure interrupted a step, from rank zero only.
+
+    Every survivor meets the same failure and would say so (some before they know which rank
+    died); the world's rank zero then says what was lost and what the repair cost
+    (:meth:`lightning_recover.recovery.job.RecoveryJob.on_repair`). Other warnings pass on every rank."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return rank_zero_only.rank == 0 or not any(isinstance(a, PeerFailure) for a in args)
 
 
 def quiet_fence_warnings(config: RecoverConfig) -> None:

@@ -110,3 +110,35 @@ def test_only_a_directory_holding_nothing_but_the_fence_is_quiet(tmp_path: Path)
         for d in (fenced, used):
             rank_zero_warn(f"Checkpoint directory {os.path.realpath(d)} exists and is not empty.")
     assert [str(w.message) for w in seen] == [f"Checkpoint directory {os.path.realpath(used)} exists and is not empty."]
+
+
+def test_the_engines_peer_failure_warning_comes_from_rank_zero_only() -> None:
+    import logging
+
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    from lightning_recover.comm.interface import PeerFailure
+    from lightning_recover.strategies.trainer_setup import quiet_console
+
+    log = logging.getLogger("lightning_recover.recovery.engine")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler, previous = Keep(), rank_zero_only.rank
+    log.addHandler(handler)
+    try:
+        for rank in (1, 0):
+            quiet_console(rank)
+            log.warning("step %d: %s", 3, PeerFailure((2,), "reduce of bucket 0/1"))
+            log.warning("step %d: %d gradient tensor(s) were replaced", 3, 1)
+    finally:
+        log.removeHandler(handler)
+        rank_zero_only.rank = previous
+    assert [r.getMessage() for r in records] == [
+        "step 3: 1 gradient tensor(s) were replaced",
+        "step 3: peer failure during reduce of bucket 0/1; ranks known dead: [2]",
+        "step 3: 1 gradient tensor(s) were replaced",
+    ]
