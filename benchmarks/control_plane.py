@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=None, help="where the ranks write (default: a temporary folder)")
     p.add_argument("--lightning", action="store_true",
                    help="count a Lightning Trainer's steps under ReCoVerHSDPStrategy instead (no fault; e.g. --ranks 4 8)")
+    p.add_argument("--sdc", action="store_true", help="with --lightning: the silent-data-corruption check after every step")
     args = p.parse_args(argv)
     if min(args.ranks) < 3:
         p.error("--ranks: every job needs at least 3 ranks (one is killed, two must survive)")
@@ -86,7 +87,7 @@ def run_job(n: int, args: argparse.Namespace, outdir: Path) -> dict[str, Any]:
 
     timeout = args.timeout if args.timeout is not None else 90 + 6 * n
     cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(n), "--",
-           sys.executable, str(RANK), "--out", str(outdir), "--steps", str(args.steps), *(["--lightning"] if args.lightning else [])]
+           sys.executable, str(RANK), "--out", str(outdir), "--steps", str(args.steps), *(["--lightning"] if args.lightning else []), *(["--sdc"] if args.sdc else [])]
     env = launch_env()
     env.update({"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "LIGHTNING_RECOVER_MPI_WAIT": "sleep",
                 "PYTHONPATH": str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")})
@@ -154,13 +155,14 @@ def main_lightning(args: argparse.Namespace, base: Path) -> int:
         outdir = base / f"n{n}"
         job = run_job(n, args, outdir)
         rows = [json.loads(f.read_text()) for f in sorted(outdir.glob("rank*.json"))]
-        steps = [s for r in rows for s in r["steady"]]
+        # A broadcast's root sends what the others receive: ranks are compared on calls and bytes moved (sent + received).
+        steps = [{op: [c, sent + recv] for op, (c, sent, recv) in s.items()} for r in rows for s in r["steady"]]
         if len(rows) != n or not steps or any(s != steps[0] for s in steps):
             print(f"[control_plane] {n} ranks under Lightning: {len(rows)} of {n} ranks reported; steady tallies "
                   f"{sorted({json.dumps(s, sort_keys=True) for s in steps})}; log tail:\n{job['log_tail']}", flush=True)
             return 1
-        tallies[n] = steps[0]
-        print(f"{n:>3} ranks under Lightning ({len(steps)} steady steps, {job['wall_s']:.0f} s): {fmt(steps[0])}", flush=True)
+        tallies[n] = rows[0]["steady"][0]
+        print(f"{n:>3} ranks under Lightning ({len(steps)} steady steps, {job['wall_s']:.0f} s; leader): {fmt(tallies[n])}", flush=True)
     constant = all(t == tallies[args.ranks[0]] for t in tallies.values())
     lo, hi = args.ranks[0], args.ranks[-1]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,8 @@ With ``--lightning`` the rank is a user's Lightning script instead: the same MLP
 ``LightningModule`` trained by ``Trainer(strategy=ReCoVerHSDPStrategy(...))`` for ``--steps``
 + 2 optimizer steps, and ``steady`` holds what each step cost from one
 ``on_train_batch_start`` to the next (everything the strategy, its callbacks, the ledger,
-the recruiter and Lightning did over MPI in between); no fault is injected.
+the recruiter and Lightning did over MPI in between); no fault is injected. ``--sdc`` adds the
+silent-data-corruption check after every step (``recover.sdc.every_n_steps=1``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-bytes", type=int, default=1024, help="FaultTolerantComm bucket size (the MLP has ~2.4 kB of gradients)")
     p.add_argument("--G", type=int, default=2, help="microbatches per replica per step")
     p.add_argument("--lightning", action="store_true", help="count a Lightning Trainer's steps under the strategy (no fault)")
+    p.add_argument("--sdc", action="store_true", help="with --lightning: the silent-data-corruption check after every step")
     return p.parse_args(argv)
 
 
@@ -92,7 +94,8 @@ def lightning_main(args: argparse.Namespace) -> None:
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(4096, 16), torch.randn(4096, 2))
-    strategy = ReCoVerHSDPStrategy(shards=1, grad_accum=args.G, bucket_mb=args.bucket_bytes / 2**20)
+    strategy = ReCoVerHSDPStrategy(shards=1, grad_accum=args.G, bucket_mb=args.bucket_bytes / 2**20,
+                                   **({"sdc_every_n_steps": 1} if args.sdc else {}))
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps + 2, logger=False, callbacks=[Marks()],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
