@@ -51,7 +51,11 @@ RUNS: dict[str, list[str]] = {
     "last_val": kill(4, 1, "validation"),
     "save_async": ["--async-save", "1", "--faults", json.dumps(LEADER_IN_SAVE)],
     "save_sync": ["--async-save", "0", "--faults", json.dumps(LEADER_IN_SAVE)],
+    # 2 replicas x 2 shards: the new leader replica's two ranks write the save again together (DCP over their group).
+    "save_2x2": ["--shards", "2", "--samples", "32", "--faults", json.dumps(LEADER_IN_SAVE)],
 }
+#: Ranks per run (the rest run 3 replicas of one rank).
+RANKS = {"save_2x2": 4}
 EPOCH_VALUES = ("train_loss_epoch", "train_loss", "train_mean", "train_ppl", "val_loss")
 
 
@@ -66,7 +70,8 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, MPIJob]:
     with ThreadPoolExecutor(len(RUNS)) as pool:
         futures = {
             name: pool.submit(
-                run_mpi, 3, [SCRIPT, *BASE, *args, "--ckpt-dir", str(tmp / name / "ck")], tmp / name, timeout=500, env=env,
+                run_mpi, RANKS.get(name, 3), [SCRIPT, *BASE, *args, "--ckpt-dir", str(tmp / name / "ck")], tmp / name,
+                timeout=500, env=env,
             )
             for name, args in RUNS.items()
         }
@@ -131,3 +136,16 @@ def test_the_best_checkpoint_of_a_leader_lost_while_saving_exists_and_loads(jobs
     ck = job.outdir / "ck"
     assert not [p for p in ck.rglob("*") if p.name.endswith(".tmp")], sorted(ck.rglob("*"))
     assert "was lost while it saved" in job.stderr and "writes it now" in job.stderr, job.describe()
+
+
+def test_a_sharded_leader_replica_lost_while_saving_has_its_save_written_by_the_next(jobs: dict[str, MPIJob]) -> None:
+    job = jobs["save_2x2"]
+    assert job.returncode == 0, job.describe()
+    results = job.results()
+    assert sorted(results) == [2, 3] and all(r["faults"] == 1 and r["steps"] == 4 for r in results.values()), job.describe()
+    for r in results.values():
+        for key in ("best_model_path", "last_model_path"):
+            saved = torch.load(r[key], map_location="cpu", weights_only=False)
+            assert saved["lightning_recover"]["step"] == 2 and set(saved["state_dict"]) >= {"embed.weight", "head.weight"}, r[key]
+    assert not [p for p in (job.outdir / "ck").rglob("*") if p.name.endswith(".tmp")]
+    assert job.stderr.count("was lost while it saved") == 2, job.describe()  # the best and the last, each once

@@ -81,6 +81,7 @@ class TinyLM(L.LightningModule):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--grad-accum", type=int, default=2)
+    ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--samples", type=int, default=32, help="training samples (an epoch is samples / (B * mbs) steps)")
     ap.add_argument("--faults", default="[]")
@@ -92,7 +93,7 @@ def main() -> None:
     # With a checkpoint directory the ledger goes there too: the strategy's write fence is then the first
     # file in ModelCheckpoint's directory, which must not make Lightning call it "not empty".
     ledger = Path(args.ckpt_dir or out) / "ledger.jsonl"
-    strategy = ReCoVerHSDPStrategy(grad_accum=args.grad_accum, bucket_mb=0.01, ledger_path=str(ledger),
+    strategy = ReCoVerHSDPStrategy(grad_accum=args.grad_accum, shards=args.shards, bucket_mb=0.01, ledger_path=str(ledger),
                                    checkpoint_async_save=bool(args.async_save))
     callbacks: list[Any] = [FaultInjection(json.loads(args.faults))]
     best = None
