@@ -43,7 +43,10 @@ def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
         spec = None
         local = obj
         if hasattr(obj, "to_local") and hasattr(obj, "placements"):
-            spec = {"placements": tuple(obj.placements), "shape": tuple(obj.shape), "stride": tuple(obj.stride())}
+            # The mesh dimensions it lives on: with tensor parallel, FSDP2 leaves a parameter that no TP plan
+            # split on the replica mesh's "data_parallel" dimension alone, the others on both.
+            mesh_dims = tuple(obj.device_mesh.mesh_dim_names or ()) if hasattr(obj, "device_mesh") else ()
+            spec = {"placements": tuple(obj.placements), "shape": tuple(obj.shape), "stride": tuple(obj.stride()), "mesh_dims": mesh_dims}
             local = obj.to_local()
         tensors.append(local.detach().to("cpu").contiguous())
         return _Placeholder(len(tensors) - 1, tuple(local.shape), local.dtype, spec)
@@ -65,13 +68,21 @@ class _Placeholder:
     dtensor: dict[str, Any] | None
 
 
+def _submesh(mesh: Any, dims: tuple[str, ...]) -> Any:
+    """The part of the joiner's replica ``mesh`` spanned by the named ``dims`` (the whole mesh when they are all of it)."""
+    if not dims or tuple(mesh.mesh_dim_names or ()) == dims:
+        return mesh
+    return mesh[dims[0] if len(dims) == 1 else dims]
+
+
 def _restore(obj: Any, tensors: Sequence[torch.Tensor], mesh: Any, device: torch.device) -> Any:
     if isinstance(obj, _Placeholder):
         t = tensors[obj.index].to(device)
         if obj.dtensor is not None:
             from torch.distributed.tensor import DTensor
 
-            return DTensor.from_local(t, mesh, obj.dtensor["placements"], shape=obj.dtensor["shape"], stride=obj.dtensor["stride"])
+            on = _submesh(mesh, obj.dtensor.get("mesh_dims", ()))
+            return DTensor.from_local(t, on, obj.dtensor["placements"], shape=obj.dtensor["shape"], stride=obj.dtensor["stride"])
         return t
     if isinstance(obj, dict):
         return {k: _restore(v, tensors, mesh, device) for k, v in obj.items()}

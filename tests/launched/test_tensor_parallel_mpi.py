@@ -111,3 +111,26 @@ def test_fsdp_by_tp_in_one_replica_matches_a_single_process(tmp_path: Path) -> N
     (final,) = params(job).values()
     for k in ref_params:
         torch.testing.assert_close(final[k], ref_params[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_lost_tp_replica_rejoins_with_its_tp_and_fsdp_shards(tmp_path: Path) -> None:
+    # Rank 3 killed in step 1 takes replica 1 (ranks 2, 3) down; hot re-join spawns both back, the
+    # donor sends each its (dp, tp) shards, rebuilt on the joiner's mesh: parameters that no TP plan
+    # split live on its "data_parallel" dimension alone (seen broken before: a copy across meshes).
+    from llama_worker import reference_run
+
+    args = ["--shards", "2", "--tp", "2", "--steps", "20", "--rejoin"]
+    job = launch(tmp_path, [{"step": 1, "rank": 3, "phase": "backward", "kind": "kill"}], args=args)
+    assert "replica(s) [1] re-joined" in job.stderr, job.describe()
+    results = job.results()
+    assert sorted(results) == [0, 1, 2, 3], "the replacements finished the run"
+    assert all(r["alive"] == [0, 1] and r["global_step"] == 20 for r in results.values())
+    ledger = read_ledger(tmp_path / "ledger.jsonl")
+    assert [line["step"] for line in ledger] == list(range(20)) and all(line["committed"] == 4 for line in ledger)
+    ref_losses, ref_params = reference_run(args, replicas=2)
+    assert [line["loss"] for line in ledger] == pytest.approx(ref_losses, rel=1e-5)
+    finals = params(job)
+    assert sorted(finals) == [0, 2]
+    for k in ref_params:
+        assert torch.equal(finals[0][k], finals[2][k]), f"the re-joined replica differs from the survivor in {k}"
+        torch.testing.assert_close(finals[0][k], ref_params[k], rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")

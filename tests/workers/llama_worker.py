@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ckpt-every", type=int, default=1)
     ap.add_argument("--resume", action="store_true", help="fit from the newest checkpoint in --ckpt-dir")
     ap.add_argument("--validate", action="store_true", help="after fit, trainer.validate() on VAL_SAMPLES held-out windows")
+    ap.add_argument("--rejoin", action="store_true", help="hot re-join (backoff 0.5 s); each step sleeps 1 s while a replica is lost")
     return ap.parse_args(argv)
 
 
@@ -108,6 +110,15 @@ class HFLlama(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.0)
+
+
+class SlowWhileDegraded(L.Callback):
+    """Sleep a second after each step while a replica is lost: a replacement has time to import torch on 2 cores."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        comm = trainer.strategy.comm  # type: ignore[attr-defined]
+        if len(comm.alive_replicas) < comm.layout.replicas:
+            time.sleep(1.0)
 
 
 def build(args: argparse.Namespace) -> tuple[L.LightningModule, ByteDataset]:
@@ -184,9 +195,11 @@ def main() -> None:
         # The first step compiles each block (tens of seconds on a loaded 2-core machine), without progress ticks.
         stuck_timeout_s=600.0 if args.compile else None,
         **({"checkpoint_dir": args.ckpt_dir, "checkpoint_every_n_steps": args.ckpt_every} if args.ckpt_dir else {}),
+        **({"rejoin": True, "rejoin_backoff_s": 0.5} if args.rejoin else {}),
     )
+    callbacks: list[L.Callback] = [FaultInjection(json.loads(args.faults))] + ([SlowWhileDegraded()] if args.rejoin else [])
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, callbacks=[FaultInjection(json.loads(args.faults))],
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=args.steps, callbacks=callbacks,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     ckpt = resolve_ckpt_path("last", args.ckpt_dir) if args.resume else None
