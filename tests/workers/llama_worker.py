@@ -53,6 +53,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ckpt-every", type=int, default=1)
     ap.add_argument("--resume", action="store_true", help="fit from the newest checkpoint in --ckpt-dir")
     ap.add_argument("--validate", action="store_true", help="after fit, trainer.validate() on VAL_SAMPLES held-out windows")
+    ap.add_argument("--sdc-every", type=int, default=0, help="recover.sdc.every_n_steps (0: off, the default here)")
     ap.add_argument("--rejoin", action="store_true", help="hot re-join (backoff 0.5 s); each step sleeps 1 s while a replica is lost")
     return ap.parse_args(argv)
 
@@ -183,7 +184,7 @@ def reference_run(argv: list[str], replicas: int) -> tuple[list[float], dict[str
 
 
 def main() -> None:
-    from lightning_recover.callbacks import FaultInjection, resolve_ckpt_path
+    from lightning_recover.callbacks import CorruptionCheck, FaultInjection, resolve_ckpt_path
     from lightning_recover.strategies import ReCoVerHSDPStrategy
 
     args = parse()
@@ -191,7 +192,7 @@ def main() -> None:
     model, data = build(args)
     strategy = ReCoVerHSDPStrategy(
         shards=args.shards, tensor_parallel=args.tp, grad_accum=args.grad_accum, seed=args.seed, ledger_path=out / "ledger.jsonl",
-        bucket_mb=0.01, replica_plane=args.replica_plane, sdc_every_n_steps=0,
+        bucket_mb=0.01, replica_plane=args.replica_plane, sdc_every_n_steps=args.sdc_every,
         # The first step compiles each block (tens of seconds on a loaded 2-core machine), without progress ticks.
         stuck_timeout_s=600.0 if args.compile else None,
         **({"checkpoint_dir": args.ckpt_dir, "checkpoint_every_n_steps": args.ckpt_every} if args.ckpt_dir else {}),
@@ -224,6 +225,10 @@ def main() -> None:
         "compiled": sum("OptimizedModule" in type(m).__name__ for m in model.modules()),
         "recompute": sum(bool(getattr(m, "recompute", False)) for m in model.modules()),
         "validate": validated,
+    }
+    sdc = [cb for cb in trainer.callbacks if isinstance(cb, CorruptionCheck)]
+    result |= {
+        "sdc_checks": sdc[0].checks if sdc else 0, "sdc_detections": sdc[0].detections if sdc else 0,
     }
     (out / f"rank{comm.rank}.json").write_text(json.dumps(result))
 
