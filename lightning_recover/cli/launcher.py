@@ -94,9 +94,9 @@ def launch(
                 argv, env, nprocs=nprocs if here else None, finished=lambda: JobMarkers.read(status_dir).over(nprocs),
                 refused=lambda: JobMarkers.read(status_dir).refused, stdout=stdout, stderr=stderr,
                 # Ranks placed elsewhere by a --host passed through --mpi-arg are not in mpiexec's session here.
-                start_watch=StartWatch(status_dir, nprocs, all_local=here and not spans_hosts(argv)).poll,
+                start_watch=(start := StartWatch(status_dir, nprocs, all_local=here and not spans_hosts(argv))).poll,
             )
-        status, words = final_words(JobMarkers.read(status_dir), nprocs, status)
+        status, words = final_words(start.local_hosts(JobMarkers.read(status_dir)), nprocs, status)
     if words is not None:
         print(f"[lightning-recover] {words}", file=sys.stderr, flush=True)
     return status
@@ -343,7 +343,7 @@ def supervise(
                                         stdout=pipes[0][1], stderr=pipes[1][1], on_signal=interrupted.append,
                                         finished=lambda d=status_dir, n=plan.nprocs: JobMarkers.read(d).over(n),
                                         refused=lambda d=status_dir: JobMarkers.read(d).refused,
-                                        start_watch=StartWatch(status_dir, plan.nprocs, all_local=local and not spans_hosts(argv)).poll)
+                                        start_watch=(start := StartWatch(status_dir, plan.nprocs, all_local=local and not spans_hosts(argv))).poll)
             finally:
                 for _, w in pipes:
                     os.close(w)
@@ -359,7 +359,7 @@ def supervise(
                 name = signal.Signals(interrupted[0]).name
                 say(f"[lightning-recover] supervise: the job was ended by {name}; not relaunching")
                 return 128 + interrupted[0]
-            markers = settled_markers(status_dir, status)
+            markers = start.local_hosts(settled_markers(status_dir, status))
             tail = b"\n".join(t.tail for t in tees).decode("utf-8", "replace")
             outcome = Outcome(
                 plan.nprocs, status, tail, started=frozenset(markers.started), ok=frozenset(markers.ok),

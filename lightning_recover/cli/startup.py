@@ -118,8 +118,7 @@ class StartWatch:
         if markers.raised:
             return None  # the program says what happened itself (a traceback, a refusal)
         here = socket.gethostname()
-        for r in self.local:  # a rank lost before its init marker ran here all the same
-            markers.init.setdefault(r, f"{here} ?")
+        self.local_hosts(markers)  # a rank lost before its init marker ran here all the same
         if markers.lost_at_start:
             # The survivors saw the loss after MPI_Init and are leaving by themselves; say it once, from here.
             self.over = True
@@ -146,6 +145,14 @@ class StartWatch:
                 why=f", with no communicator {self.timeout_s:g} s after the first rank's start ({ENV_START_TIMEOUT}=SECONDS sets that bound)",
             )
         return None
+
+    def local_hosts(self, markers: JobMarkers) -> JobMarkers:
+        """``markers`` with this host named for every rank seen here that left no ``init`` marker (one lost
+        before the strategy started it), so that the job's last line names its host too."""
+        here = socket.gethostname()
+        for r in self.local:
+            markers.init.setdefault(r, f"{here} ?")
+        return markers
 
     def _init_times(self) -> list[float]:
         times = []

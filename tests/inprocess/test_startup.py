@@ -150,6 +150,18 @@ def test_the_watch_stops_once_every_rank_started(tmp_path: Path) -> None:
     assert w.poll(lambda: calls.append(1) or []) is None and w.over and not calls
 
 
+def test_the_last_line_names_the_host_of_a_rank_seen_here(tmp_path: Path) -> None:
+    # mpiexec ended before the watch's next poll: the launcher's last line comes from the markers, and
+    # the lost rank, which left no init marker, is named with this host because the watch saw it here.
+    w, _, ranks = watch(tmp_path, nprocs=2)
+    ranks.update({100: 0, 101: 1})
+    w.poll(lambda: [100, 101])
+    mark(tmp_path, "init.0", "hostA 1")
+    mark(tmp_path, "exited.0", "lost at start: rank(s) [1] died before the communicator came up")
+    _, words = final_words(w.local_hosts(JobMarkers.read(str(tmp_path))), 2, 0)
+    assert words is not None and f"rank 1 on host {HERE}" in words
+
+
 def test_final_words_for_a_start_lost_job(tmp_path: Path) -> None:
     mark(tmp_path, "init.0", "hostA 1")
     mark(tmp_path, "init.1", "hostB 2")
