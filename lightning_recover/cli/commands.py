@@ -33,7 +33,7 @@ def _launch(argv: list[str]) -> int:
     from lightning_recover.cli.hosts import slurm_allocation
     from lightning_recover.cli.launcher import DEFAULT_RESUME_ARG, launch, supervise
     from lightning_recover.cli.supervision import SupervisionPolicy, parse_host_list, parse_hostfile
-    from lightning_recover.runtime.slurm import allocation_tasks, tasks_outnumber_cpus
+    from lightning_recover.runtime.slurm import allocation_tasks, daemon_step_args, tasks_outnumber_cpus
 
     parser = argparse.ArgumentParser(
         prog="lightning-recover launch",
@@ -111,9 +111,10 @@ def _launch(argv: list[str]) -> int:
                 raise ValueError(f"--hostfile {args.hostfile!r} cannot be read ({exc.strerror or exc})") from None
         else:
             hosts = slurm_allocation()  # None outside Slurm: this machine
+        mpi_args = [*args.mpi_arg, *daemon_step_args(args.mpi_arg)]  # --overlap for Open MPI's srun inside an allocation
         if not args.supervise:
             return launch(
-                nprocs, command, hang_timeout=detector, extra=list(args.mpi_arg), hosts=hosts, unbound=unbound,
+                nprocs, command, hang_timeout=detector, extra=mpi_args, hosts=hosts, unbound=unbound,
                 status_root=args.status_dir,
             )
         if args.checkpoint_dir is None:
@@ -124,7 +125,7 @@ def _launch(argv: list[str]) -> int:
         )
         return supervise(
             nprocs, command, policy=policy, checkpoint_dir=args.checkpoint_dir, hosts=hosts, ledger=args.ledger,
-            resume_arg=args.resume_arg, stall_timeout_s=args.stall_timeout, hang_timeout=detector, extra=args.mpi_arg,
+            resume_arg=args.resume_arg, stall_timeout_s=args.stall_timeout, hang_timeout=detector, extra=mpi_args,
             status_root=args.status_dir, unbound=unbound,
         )
     except (ValueError, FileNotFoundError) as exc:

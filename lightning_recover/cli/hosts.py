@@ -4,7 +4,7 @@ The supervised relaunch (:func:`lightning_recover.cli.launcher.supervise`) drops
 that stops answering before it relaunches a job, and the plain launch needs to know whether
 a host list is only this machine (then the stuck-abort rule of
 :mod:`lightning_recover.cli.runner` sees every rank). These functions run commands
-(``ssh``, ``scontrol``) and read the environment; the pure parsing of host lists and
+(``ssh`` or ``srun``, ``scontrol``) and read the environment; the pure parsing of host lists and
 Slurm's counts lives in :mod:`lightning_recover.cli.supervision`.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import subprocess
 import threading
 from collections.abc import Mapping, Sequence
@@ -27,11 +28,26 @@ def local_host_names() -> frozenset[str]:
     return frozenset(names | {n.split(".", 1)[0] for n in names})
 
 
-def remote_agent(extra: Sequence[str]) -> list[str]:
-    """The command mpiexec reaches other hosts with: its ``plm_ssh_agent`` when given in ``extra``, else ssh."""
+#: How the probe reaches a node of the Slurm allocation it runs in: a one-task step on that node
+#: (the host name follows), sharing the job's resources (``--overlap``), without Slurm's MPI
+#: plugin. It is the path Open MPI's runtime takes there (its Slurm launcher starts its daemons
+#: with srun), and it needs no ssh between nodes, which many clusters do not allow.
+SRUN_PROBE = ("srun", "--overlap", "--nodes=1", "--ntasks=1", "--mpi=none", "--quiet", "--nodelist")
+
+
+def remote_agent(extra: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """The command mpiexec reaches other hosts with: its ``plm_ssh_agent`` when given in ``extra``; inside a
+    Slurm allocation (``SLURM_JOB_ID`` in ``env``) where ``srun`` is found and the user did not choose
+    Open MPI's ssh launcher (``plm ssh``), :data:`SRUN_PROBE`; else ssh."""
+    env = os.environ if env is None else env
+    chose_ssh = False
     for i, arg in enumerate(extra[:-1]):
         if arg in ("--prtemca", "--mca") and i + 2 < len(extra) and extra[i + 1] == "plm_ssh_agent":
             return shlex.split(extra[i + 2])
+        if arg in ("--prtemca", "--mca") and extra[i + 1] == "plm" and i + 2 < len(extra):
+            chose_ssh = extra[i + 2] in ("ssh", "rsh")
+    if "SLURM_JOB_ID" in env and not chose_ssh and shutil.which("srun", path=env.get("PATH")) is not None:
+        return list(SRUN_PROBE)
     return ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5"]
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 #: The exit status of a refused direct start (a usage error).
 REFUSED_STATUS = 2
@@ -69,6 +69,22 @@ def refuse_direct_launch(env: Mapping[str, str] | None = None) -> None:
     print(refusal_line(env), file=sys.stderr, flush=True)
     # os._exit: no exit handlers or Lightning teardown may run (nor write) in a process that must not exist.
     os._exit(REFUSED_STATUS)
+
+
+#: What ``lightning-recover launch`` passes to mpiexec inside an allocation: Open MPI's Slurm launcher
+#: starts its daemons on the other nodes with one ``srun`` step, and a step that lost a node stays
+#: RUNNING, holding its CPUs on the nodes left, until Slurm has marked the node DOWN and killed it;
+#: without ``--overlap`` the relaunch's daemon step waited behind it (for good, on Slurm 22.05 here).
+DAEMON_STEP_ARGS = ("--prtemca", "plm_slurm_args", "--overlap")
+
+
+def daemon_step_args(extra: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """:data:`DAEMON_STEP_ARGS` inside an allocation (``SLURM_JOB_ID``), unless the user set
+    ``plm_slurm_args`` (in ``extra`` or as ``PRTE_MCA_plm_slurm_args``); else nothing."""
+    e = _env(env)
+    if "SLURM_JOB_ID" not in e or "plm_slurm_args" in extra or "PRTE_MCA_plm_slurm_args" in e:
+        return []
+    return list(DAEMON_STEP_ARGS)
 
 
 def allocation_tasks(env: Mapping[str, str] | None = None) -> int | None:

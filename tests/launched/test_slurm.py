@@ -98,6 +98,26 @@ def test_allocation_tasks_and_binding() -> None:
     assert "--bind-to" not in build_command(4, ["python", "t.py"], mpiexec="mpiexec", hosts="localhost:4", slots=4)
 
 
+def test_inside_an_allocation_daemons_overlap_and_nodes_are_probed_through_srun(tmp_path: Path) -> None:
+    from lightning_recover.cli.hosts import SRUN_PROBE, remote_agent
+    from lightning_recover.runtime.slurm import daemon_step_args
+
+    # Open MPI's daemon step shares the job's CPUs, so a relaunch never waits behind a step that lost a node.
+    assert daemon_step_args([], BATCH) == ["--prtemca", "plm_slurm_args", "--overlap"]
+    assert daemon_step_args([], {}) == []
+    assert daemon_step_args(["--prtemca", "plm_slurm_args", "--exact"], BATCH) == []  # the user's own srun options win
+    assert daemon_step_args([], {**BATCH, "PRTE_MCA_plm_slurm_args": "--exact"}) == []
+    # The supervisor probes a node the way Open MPI reaches it there (srun), not by ssh.
+    (tmp_path / "srun").write_text("#!/bin/sh\n")
+    (tmp_path / "srun").chmod(0o755)
+    inside = {**BATCH, "PATH": str(tmp_path)}
+    assert remote_agent([], inside) == list(SRUN_PROBE) and SRUN_PROBE[-1] == "--nodelist" and "--overlap" in SRUN_PROBE
+    assert remote_agent(["--prtemca", "plm", "ssh"], inside)[0] == "ssh"  # the user chose Open MPI's ssh launcher
+    assert remote_agent(["--prtemca", "plm_ssh_agent", "/h/agent -q"], inside) == ["/h/agent", "-q"]
+    assert remote_agent([], {"PATH": str(tmp_path)})[0] == "ssh"  # outside an allocation
+    assert remote_agent([], {**BATCH, "PATH": str(tmp_path / "none")})[0] == "ssh"  # no srun found
+
+
 # ---------------------------------------------------------------------- on the local Slurm
 @pytest.mark.mpi
 def test_direct_srun_is_refused_on_every_task(slurm: LocalSlurm, tmp_path: Path) -> None:
