@@ -74,6 +74,7 @@ from lightning_recover.workload.policy import WorkloadPolicy
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+_NO_PAYLOAD = torch.empty(0, dtype=torch.float64)
 
 
 class MicrobatchRunner(Protocol):
@@ -283,8 +284,9 @@ class StepEngine:
             votes = sorted(st.votes)
             head_in = step_values.header(sum(st.losses[i] for i in owned), len(owned), keys, [st.votes[k] for k in votes])
             head_out = torch.empty_like(head_in)
-            logged_in = step_values.payload(st.logged, owned, keys)
-            logged_out = torch.empty_like(logged_in)
+            # Nothing logged with sync_dist (the common step): no payload to build or reduce.
+            logged_in = step_values.payload(st.logged, owned, keys) if keys else _NO_PAYLOAD
+            logged_out = torch.empty_like(logged_in) if keys else _NO_PAYLOAD
             round_started = time.perf_counter()
             try:
                 if st.inflight is not None:

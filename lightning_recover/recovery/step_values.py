@@ -45,15 +45,17 @@ def header(loss_sum: float, loss_count: float, keys: Sequence[str], votes: Seque
     ``votes`` are the callbacks' per-rank numbers (:attr:`StepState.votes`, in key order),
     summed over every live rank in the same reduction: a uniform decision at no extra cost.
     """
-    crc = zlib.crc32("\n".join(keys).encode()) if keys else 0
-    return torch.tensor([loss_sum, loss_count, 1.0, float(crc), float(len(keys)), *votes], dtype=torch.float64)
+    return torch.tensor([loss_sum, loss_count, 1.0, _fingerprint(keys), float(len(keys)), *votes], dtype=torch.float64)
+
+
+def _fingerprint(keys: Sequence[str]) -> float:
+    return float(zlib.crc32("\n".join(keys).encode())) if keys else 0.0
 
 
 def check_header(reduced: torch.Tensor, keys: Sequence[str]) -> None:
     """Every rank logged the same keys (their fingerprints summed to ranks x this rank's)."""
-    mine = header(0.0, 0.0, keys)
     ranks = float(reduced[2])  # the votes follow the fixed fields and are not checked here
-    if float(reduced[3]) != mine[3].item() * ranks or float(reduced[4]) != mine[4].item() * ranks:
+    if float(reduced[3]) != _fingerprint(keys) * ranks or float(reduced[4]) != float(len(keys)) * ranks:
         raise LoggedKeysMismatch(
             f"self.log(..., sync_dist=True) inside training_step logged {list(keys)} on this rank but other keys on "
             "another rank in the same step; log the same names on every rank in every step (e.g. do not make a "
