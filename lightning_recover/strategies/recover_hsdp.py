@@ -75,6 +75,9 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_CALLBACKS", "ReCoVerHSDPStrategy"]
 
+#: Where a donor's state for a replacement carries the epoch's committed totals (:meth:`StepLogging.handover`).
+EPOCH_TOTALS_KEY = "lightning_recover_epoch_totals"
+
 
 class ReCoVerHSDPStrategy(ParallelStrategy):
     """HSDP with in-place recovery from replica failures; see the module docstring.
@@ -265,7 +268,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         if self.job.joining is not None:
             admission.join_world(
                 self.job, self.job.joining, mesh=self._device_mesh if self.config.shards > 1 else None, device=self.root_device,
-                state_key=checkpoint_io.STATE_KEY, restore=lambda checkpoint: _lightning.hand_over_checkpoint(trainer, checkpoint),
+                state_key=checkpoint_io.STATE_KEY, restore=lambda checkpoint: self._restore_handed(trainer, checkpoint),
             )
             return
         self._logging.sync_logger_versions(
@@ -285,7 +288,16 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """The step boundary of hot re-join: the recruiter's turn (see :mod:`lightning_recover.recovery.admission`)."""
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        admission.step_boundary(self.job, batch_idx, dump=lambda: self._checkpoints.dump(trainer), guard=self.replica_guard)
+        admission.step_boundary(self.job, batch_idx, dump=lambda: self._dump_for_replacement(trainer), guard=self.replica_guard)
+
+    def _dump_for_replacement(self, trainer: Trainer) -> dict[str, Any]:
+        """Lightning's checkpoint of this moment and the epoch's committed totals (logged values, metric states)."""
+        return {**self._checkpoints.dump(trainer), EPOCH_TOTALS_KEY: self._logging.handover()}
+
+    def _restore_handed(self, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+        """A replacement: the epoch's totals now, Lightning's checkpoint right after setup."""
+        self._logging.take_over(checkpoint.pop(EPOCH_TOTALS_KEY, {}))
+        _lightning.hand_over_checkpoint(trainer, checkpoint)
 
     def _on_membership(self) -> None:
         """The world changed (a repair or a join): Lightning's rank-zero gates and the log scaling follow."""

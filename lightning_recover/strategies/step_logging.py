@@ -155,6 +155,16 @@ class StepLogging:
             if version is not None:
                 _lightning.set_logger_version(lg, version)
 
+    def handover(self) -> dict[str, Any]:
+        """The epoch's committed totals (synced logged values, torchmetrics states) a replacement takes over."""
+        return {"logs": self._step_logs.totals(self._results()), "metrics": self._metrics.totals(self._module())}
+
+    def take_over(self, totals: dict[str, Any]) -> None:
+        """A replacement joins mid-epoch with the survivors' totals (:meth:`handover`), so the epoch's values stay
+        the fault-free run's on every rank it may lead."""
+        self._step_logs.take_over(totals.get("logs", {}))
+        self._metrics.take_over(self._module(), totals.get("metrics", {}), leader=self._is_leader())
+
     def on_membership(self, world_size: int, is_leader: bool) -> None:
         """The world changed (a repair or a join): the summed epoch totals and the leadership follow."""
         self._step_logs.rescale(world_size)

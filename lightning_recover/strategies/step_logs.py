@@ -61,6 +61,7 @@ class StepLogs:
     def __init__(self) -> None:
         self._before: dict[str, _Before] = {}
         self._written: dict[str, _Written] = {}
+        self._handed: dict[str, tuple[float, float]] = {}  # totals a replacement received, until their key is logged
         self._world_size = 1
 
     def start(self, results: Any) -> None:
@@ -111,7 +112,8 @@ class StepLogs:
                 if not r.meta.on_epoch:
                     r.value = r._forward_cache
             if r.meta.on_epoch:
-                base_value, base_weight = bases.get(key, (0.0, 0.0))
+                # A key first logged in this step starts from zero, or from the survivors' totals on a replacement.
+                base_value, base_weight = bases[key] if key in bases else self._handed.pop(key, (0.0, 0.0))
                 self._write(key, r, base_value + value, base_weight + weight)
 
     def rescale(self, world_size: int) -> None:
@@ -125,6 +127,16 @@ class StepLogs:
         for w in self._written.values():
             if w.share:
                 w.tensor.fill_(w.value / world_size)
+
+    def totals(self, results: Any) -> dict[str, tuple[float, float]]:
+        """The epoch's committed totals (value, weight) of every synced key, for a replacement (:meth:`take_over`)."""
+        current = dict(self._results(results))
+        return {key: (w.value, w.weight) for key, w in self._written.items() if key in current and current[key].value is w.tensor}
+
+    def take_over(self, totals: dict[str, tuple[float, float]]) -> None:
+        """A replacement joins mid-epoch: its first commit of each key continues the survivors' totals, not zero
+        (a mean's accumulators hold the whole total on every rank, and Lightning averages them over the ranks)."""
+        self._handed = dict(totals)
 
     # ------------------------------------------------------------------ internals
     @staticmethod
@@ -150,6 +162,8 @@ class StepLogs:
         written = self._written.get(key)
         if written is not None and r.value is written.tensor:
             return written.value, written.weight
+        if key in self._handed:
+            return self._handed.pop(key)
         # Lightning reset the result (a new epoch) or it is new: start from what it holds.
         return float(r.value), float(r.cumulated_batch_size) if r.meta.is_mean_reduction else 0.0
 

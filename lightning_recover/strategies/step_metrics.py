@@ -12,7 +12,8 @@ the commit every rank learns the epoch's running total of each state; the world'
 holds it and every other rank zero (a "mean" state: every rank the total), so the sync
 Lightning runs when it computes the metric at the epoch's end (over the live replicas,
 :func:`~.metrics.route_metric_sync`) gives the fault-free total whatever was lost and when.
-After a change of world the new rank 0 takes the totals over (:meth:`StepMetrics.rehome`).
+After a change of world the new rank 0 takes the totals over (:meth:`StepMetrics.rehome`); a
+replacement that joins mid-epoch receives them with the live state (:meth:`StepMetrics.take_over`).
 
 States kept any other way (``"cat"`` lists, ``"min"``/``"max"``, a custom reduction) cannot
 be summed like this: such a metric is left as torchmetrics keeps it, and a warning says its
@@ -135,6 +136,21 @@ class StepMetrics:
         """The world changed: the new rank 0 holds the totals, every other rank zero."""
         for st in self._tracked(module):
             if self._written.get(st.key) is getattr(st.metric, st.name):
+                self._write(st, leader)
+
+    def totals(self, module: Any) -> dict[str, list[float]]:
+        """The epoch's committed totals of every state still as written, for a replacement (:meth:`take_over`)."""
+        return {
+            st.key: self._totals[st.key].reshape(-1).tolist()
+            for st in self._tracked(module) if self._written.get(st.key) is getattr(st.metric, st.name)
+        }
+
+    def take_over(self, module: Any, totals: dict[str, list[float]], leader: bool) -> None:
+        """A replacement joins mid-epoch: it holds the survivors' totals (as rank 0 would, should it become it)."""
+        for st in self._tracked(module):
+            if st.key in totals:
+                now = getattr(st.metric, st.name)
+                self._totals[st.key] = torch.tensor(totals[st.key], dtype=torch.float64).reshape(now.shape)
                 self._write(st, leader)
 
     def _write(self, st: _State, leader: bool) -> None:

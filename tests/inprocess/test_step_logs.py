@@ -63,3 +63,33 @@ def test_ranks_logging_different_keys_are_told_which() -> None:
     with pytest.raises(step_values.LoggedKeysMismatch, match=r"training_step\.a"):
         step_values.check_header(reduced, keys)
     step_values.check_header(step_values.header(1.0, 1.0, keys) * 2, keys)  # the same keys: no error
+
+
+def test_a_mean_is_not_divided_by_a_new_world_and_a_replacement_continues_the_totals() -> None:
+    # Issue 34: a change of world after the epoch's last commit (a loss in its last validation) divided a
+    # mean's accumulators by the live ranks; and a replacement joining mid-epoch started its totals from zero.
+    results, logs = _ResultCollection(training=True), StepLogs()
+    bases = logs.begin_step(results)
+    logs.start(results)
+    log(results, "loss", 2.0, 4)
+    log(results, "count", 4.0, 4, reduce_fx="sum")
+    logs.capture(results)
+    logs.apply(results, {"training_step.loss": (2.0, 1.0, 8.0, 4.0), "training_step.count": (4.0, 1.0, 4.0, 0.0)}, bases, world_size=2)
+    logs.rescale(3)
+    loss, count = results["training_step.loss"], results["training_step.count"]
+    assert float(loss.value) / float(loss.cumulated_batch_size) == 2.0
+    assert float(count.value) * 3 == pytest.approx(4.0)  # a sum's share is spread over the new world
+    handed = logs.totals(results)
+    assert handed == {"training_step.loss": (8.0, 4.0), "training_step.count": (4.0, 0.0)}
+    joined_results, joined = _ResultCollection(training=True), StepLogs()
+    joined.take_over(handed)
+    bases = joined.begin_step(joined_results)  # nothing logged yet on the replacement
+    joined.start(joined_results)
+    log(joined_results, "loss", 4.0, 4)
+    log(joined_results, "count", 4.0, 4, reduce_fx="sum")
+    joined.capture(joined_results)
+    totals = {"training_step.loss": (4.0, 1.0, 16.0, 4.0), "training_step.count": (4.0, 1.0, 4.0, 0.0)}
+    joined.apply(joined_results, totals, bases, world_size=2)
+    loss, count = joined_results["training_step.loss"], joined_results["training_step.count"]
+    assert (float(loss.value), float(loss.cumulated_batch_size)) == (24.0, 8.0)  # the epoch's, not the step's
+    assert float(count.value) * 2 == 8.0

@@ -96,3 +96,27 @@ def test_a_state_that_cannot_be_summed_is_named_in_a_warning() -> None:
         warnings.simplefilter("always")
         StepMetrics().begin_step(WithCat())
     assert [w for w in seen if "torchmetrics cat:" in str(w.message) and "not recovered after a lost replica" in str(w.message)]
+
+
+def test_a_replacement_takes_the_totals_over_and_can_lead_with_them() -> None:
+    torch.manual_seed(1)
+    logits, target = torch.randn(3, 1, 3, 5), torch.randint(0, 5, (3, 1, 3))
+    losses = [2.0, 3.0, 5.0]
+    reference = Module()
+    for i in range(3):
+        reference.mean.update(torch.tensor(losses[i]))
+        reference.ppl.update(logits[i], target[i])
+    donor, book = Module(), StepMetrics()
+    book.begin_step(donor)
+    book.apply(donor, add(*(microbatch(book, donor, losses[i], logits[i], target[i]) for i in (0, 1))), leader=True)
+    handed = book.totals(donor)
+    assert set(handed) == {"mean.mean_value", "mean.weight", "ppl.total_log_probs", "ppl.count"}
+    # The replacement joins as a non-leader (zero states), then every survivor is lost: it leads with the totals.
+    joined, its_book = Module(), StepMetrics()
+    its_book.take_over(joined, handed, leader=False)
+    assert float(joined.mean.weight) == 0.0
+    its_book.rehome(joined, leader=True)
+    its_book.begin_step(joined)
+    its_book.apply(joined, microbatch(its_book, joined, losses[2], logits[2], target[2]), leader=True)
+    assert sync_compute([joined], "mean") == pytest.approx(float(reference.mean.compute()), rel=1e-6)
+    assert sync_compute([joined], "ppl") == pytest.approx(float(reference.ppl.compute()), rel=1e-6)
