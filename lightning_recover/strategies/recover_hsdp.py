@@ -106,7 +106,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         # A bad setting in a launched rank: one line and exit status 2, not a traceback per rank.
         install_refusal_hook()
         super().__init__(cluster_environment=ReplicaEnvironment())
-        quiet_console(self.cluster_environment.global_rank())  # type: ignore[union-attr]  # before the Trainer's banner
+        # Before the Trainer's banner; a replacement spawned into a running job is nobody's rank zero (its
+        # OMPI rank counts within its spawn) until it is admitted.
+        quiet_console(self.cluster_environment.global_rank() if spawned_seat() is None else -1)  # type: ignore[union-attr]
         #: The running job: communicator, policy, engine, watchdog, ledger, recruiter (:mod:`~lightning_recover.recovery.job`).
         self.job = RecoveryJob(RecoverConfig.build(config, **settings))
         self._replica_collectives: tuple[Any, ...] = ()
