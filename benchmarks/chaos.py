@@ -44,7 +44,9 @@ built once for the campaign, with Open MPI's heartbeat detector on (period 1 s, 
 (the whole host, Open MPI's daemon with it), ``host_freeze`` (every process SIGSTOPped),
 ``host_partition`` (its link down for good) or ``host_flap`` (down 2-6 s, then up), mixed
 with a rank fault elsewhere in most runs (kill, or a SIGSTOP on a host where another rank
-runs, whose watchdog kills it). FaultInjection asks for the host fault when the named rank
+runs, whose watchdog kills it). With ``--two-host-faults P`` (N >= 3) that fraction of the
+runs whose first host fault leaves the job in place gets a second host fault on another host
+(all its ranks killed, frozen or cut off) in a later step. FaultInjection asks for the host fault when the named rank
 reaches the point; the campaign's harness
 (:class:`lightning_recover.testing.host_faults.HostFaultHarness`) applies it. Every run is
 launched as a user on a cluster would launch it: ``lightning-recover launch --supervise``
@@ -598,7 +600,8 @@ def _let_cut_off_ranks_leave(cluster: Any, harness: Any) -> None:
 
 
 def host_campaign(
-    runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, n_hosts: int, hangs: bool = True
+    runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, n_hosts: int, hangs: bool = True,
+    two_host_faults: float = 0.0,
 ) -> list[Outcome]:
     """``--hosts N``: the campaign on N fake hosts built once (module docstring)."""
     from lightning_recover.testing.fake_cluster import FakeCluster
@@ -606,7 +609,7 @@ def host_campaign(
     from lightning_recover.testing.host_faults import HostFaultHarness
 
     rng = random.Random(seed)
-    draws = [draw_host_run(i, rng, steps, n_hosts, hangs=hangs) for i in range(runs)]
+    draws = [draw_host_run(i, rng, steps, n_hosts, hangs=hangs, two_host_faults=two_host_faults) for i in range(runs)]
     outcomes = []
     cleanup_stale()  # what a SIGKILLed earlier campaign left (only instances whose owner is gone)
     slots = max(run.slots for run, _ in draws)
@@ -670,6 +673,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --joins: N warm standbys (recover.rejoin_standbys); the replacements, and their faults, come from them")
     ap.add_argument("--hosts", type=int, default=0, metavar="N",
                     help="run on N >= 2 fake hosts (root) with one host fault per run, mixed with rank faults (module docstring)")
+    ap.add_argument("--two-host-faults", type=float, default=0.0, metavar="P",
+                    help="with --hosts N >= 3 and --steps >= 4: this fraction of the runs whose first host fault leaves the job in "
+                    "place get a second one on another host in a later step (default 0)")
     args = ap.parse_args(argv)
     if args.bound is None:
         args.bound = 420.0 if args.hosts else 240.0
@@ -686,8 +692,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--hosts needs --steps >= 3 (a step before the host fault and one after), got {args.steps}")
         if args.joins or args.stuck or args.corrupt or args.terms:
             ap.error("--hosts does not combine with --joins, --stuck, --corrupt or --terms (their campaigns run on one machine)")
+        if not 0 <= args.two_host_faults <= 1:
+            ap.error(f"--two-host-faults must be a fraction in [0, 1], got {args.two_host_faults}")
         outcomes = host_campaign(
-            args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, args.hosts, hangs=not args.no_hangs
+            args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, args.hosts, hangs=not args.no_hangs,
+            two_host_faults=args.two_host_faults,
         )
     else:
         outcomes = campaign(

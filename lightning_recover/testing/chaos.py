@@ -241,10 +241,20 @@ def predict(run: ChaosRun, flap_lost: bool = True) -> Prediction:
     return Prediction(True, (frozenset(alive),))
 
 
-def draw_host_run(index: int, rng: random.Random, steps: int, n_hosts: int, hangs: bool = True) -> tuple[ChaosRun, Prediction]:
+#: The kinds a run's second host fault is drawn from: neither a flap (its cost is unknown in advance) nor a
+#: host lost with its daemon (Open MPI aborts the job; the relaunch runs without faults).
+SECOND_HOST_FAULT_KINDS = ("host_ranks_kill", "host_freeze", "host_partition")
+
+
+def draw_host_run(
+    index: int, rng: random.Random, steps: int, n_hosts: int, hangs: bool = True, two_host_faults: float = 0.0,
+) -> tuple[ChaosRun, Prediction]:
     """One run on fake hosts: one host fault on a host other than the head, and in most runs a rank
-    fault on another host, in another step. Draws the rule would end in a way the campaign
-    cannot judge are drawn again (benchmarks/chaos.py's docstring: draws left out on purpose); returns the run and its prediction."""
+    fault on another host, in another step. With ``two_host_faults`` (a probability), a run on 3 or
+    more hosts whose first host fault leaves the job in place gets a second one on another host
+    (:data:`SECOND_HOST_FAULT_KINDS`) in a later step; drawn after the rest, so a seed's other draws
+    stay the same. Draws the rule would end in a way the campaign cannot judge are drawn again
+    (benchmarks/chaos.py's docstring: draws left out on purpose); returns the run and its prediction."""
     if n_hosts < 2:
         raise ValueError(f"--hosts must be >= 2 (a host fault needs a host besides the head), got {n_hosts}")
     if steps < 3:
@@ -274,6 +284,13 @@ def draw_host_run(index: int, rng: random.Random, steps: int, n_hosts: int, hang
             # hang goes only where another rank of the host watches it.
             run.faults.append({"step": rank_step, "rank": rng.choice(elsewhere), "phase": rng.choice(PHASES),
                                "kind": "hang" if hangs and r < 0.2 and slots >= 2 else "kill"})
+        if two_host_faults and H >= 3 and kind in SECOND_HOST_FAULT_KINDS and host_step < steps - 2 and rng.random() < two_host_faults:
+            second = rng.choice([h for h in range(1, H) if h != victim])
+            run.faults.append({"step": rng.randint(host_step + 1, steps - 2),
+                               "rank": rng.choice([r for r in range(run.world) if run.host_of(r) == second]),
+                               "phase": rng.choice(PHASES), "kind": rng.choice(SECOND_HOST_FAULT_KINDS)})
+        if len({f["step"] for f in run.faults}) < len(run.faults):
+            continue  # each fault its own repair (predict)
         for f in run.faults:
             if f["phase"] in ("forward", "backward"):
                 f["microbatch"] = 0  # every replica computes a first microbatch in every step
@@ -282,6 +299,8 @@ def draw_host_run(index: int, rng: random.Random, steps: int, n_hosts: int, hang
         pred = predict(run)
         if pred.refused is not None:
             continue
+        if sum(f["kind"].startswith("host_") for f in run.faults) == 2 and not pred.proceeds:
+            continue  # the job would stop before (or at) the second host fault: draw one whose both faults land in place
         if kind == "host_flap":
             # Which replicas a flap costs is up to the detector's ring (Prediction.flap): the
             # replicas alive before it are all the campaign can hold the last world to.
@@ -403,6 +422,8 @@ def summary(outcomes: list[Outcome]) -> str:
         rows += [
             ("split brains", sum(1 for o in outcomes if o.split_brain)),
             ("host faults applied", sum(len(o.host_faults) for o in outcomes)),
+            ("host faults by kind", ", ".join(f"{k} {n}" for k, n in sorted(Counter(h.split()[0].rstrip(":") for o in outcomes for h in o.host_faults).items())) or "-"),
+            ("runs with two host faults", sum(1 for o in outcomes if len(o.host_faults) >= 2)),
             ("no-quorum stops (the rule's outcome)", sum(1 for o in outcomes if o.no_quorum)),
             ("relaunched by the supervisor", f"{sum(1 for o in outcomes if o.relaunches)}"
              + "".join(f"; {cause}: {n}" for cause, n in sorted(Counter(o.relaunch_cause for o in outcomes if o.relaunches).items()))),

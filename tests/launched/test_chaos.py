@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_recover.testing.chaos import (
-    HOST_FAULT_KINDS, JOIN_PHASES, PHASES, ChaosRun, Prediction, draw_host_run, draw_run, last_relaunch_idle, predict,
+    HOST_FAULT_KINDS, JOIN_PHASES, PHASES, SECOND_HOST_FAULT_KINDS, ChaosRun, Prediction, draw_host_run, draw_run, last_relaunch_idle, predict,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,3 +185,26 @@ def test_a_last_relaunch_that_found_every_step_committed_is_idle() -> None:
     assert not last_relaunch_idle([1, 3], steps=3)  # the relaunch trained the rest: held to the last world
     assert not last_relaunch_idle([2, 2], steps=3)  # an unfinished job is not idle, whatever it did
     assert last_relaunch_idle([1, 3, 3], steps=3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(4, 6), hosts=st.integers(3, 4))
+def test_two_host_fault_draws_hit_two_hosts_in_order_and_follow_the_quorum_rule(seed: int, steps: int, hosts: int) -> None:
+    run, pred = draw_host_run(0, random.Random(seed), steps, hosts, two_host_faults=1.0)
+    assert pred.refused is None
+    host_faults = [f for f in run.faults if f["kind"].startswith("host_")]
+    assert 1 <= len(host_faults) <= 2 and len({f["step"] for f in run.faults}) == len(run.faults)
+    if len(host_faults) == 2:
+        first, second = host_faults
+        assert run.hosts >= 3 and first["step"] < second["step"] <= steps - 2
+        assert {first["kind"], second["kind"]} <= set(SECOND_HOST_FAULT_KINDS)
+        assert 0 != run.host_of(first["rank"]) != run.host_of(second["rank"]) != 0
+        assert pred.proceeds, "both host faults land while the job goes on in place"
+    # Off by default: a seed's draws are those of a campaign without the option.
+    assert draw_host_run(0, random.Random(seed), steps, hosts) == draw_host_run(0, random.Random(seed), steps, hosts, two_host_faults=0.0)
+
+
+def test_some_seeds_draw_two_host_faults() -> None:
+    rng = random.Random(5)
+    draws = [draw_host_run(i, rng, 5, 3, two_host_faults=1.0)[0] for i in range(40)]
+    assert sum(1 for r in draws if sum(f["kind"].startswith("host_") for f in r.faults) == 2) >= 2
