@@ -6,13 +6,14 @@ NodeName, entered into all of the host's namespaces, so what Slurm starts on a n
 batch script, the ``srun`` that Open MPI's runtime uses to start its daemon ``prted`` on the
 other nodes, and the ranks) lives on that host. ``slurmctld`` runs in the switch namespace
 with an address on the bridge, reachable from every host. The client commands (``sbatch``,
-``scontrol``, ``sinfo``) run on the head host as they would on a login node
-(:meth:`SlurmOnHosts.client`).
+``scontrol``, ``sinfo``) run beside the controller, as on a login node, so they outlive any
+compute node (:meth:`SlurmOnHosts.client`).
 
 The configuration is the one-node test's (tests/harness/slurm_cluster.py: no authentication
 daemon, Linux process tracking, no task plugin, CPUs as the consumable resource) with one
 difference that matters for node faults: ``SlurmdTimeout`` is short (:data:`NODE_TIMEOUT_S`)
-so the controller marks a lost node DOWN within seconds, not Slurm's default 5 minutes.
+so the controller marks a lost node DOWN within seconds, not Slurm's default 5 minutes, and a
+requeued job may start again after :data:`REQUEUE_WAIT_S` (``cred_expire``), not 2 minutes.
 
 Every daemon is started in its own process group with ``PR_SET_PDEATHSIG`` and stopped by
 pid on :meth:`SlurmOnHosts.stop` (on a normal end, a failing test and a timeout: the
@@ -37,6 +38,8 @@ from harness.slurm_cluster import _binary, _die_with_parent, missing_requirement
 
 #: How long a node may stay silent before slurmctld marks it DOWN (Slurm's SlurmdTimeout; its default is 300 s).
 NODE_TIMEOUT_S = 6
+#: How long a requeued job must wait before it starts again (Slurm's ``cred_expire``; its default is 120 s).
+REQUEUE_WAIT_S = 10
 #: The controller's address on the bridge: the last of the fake subnet.
 _CTLD_HOST_OCTET = 254
 _ENDED = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "SUSPENDED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING")
@@ -78,6 +81,8 @@ class SlurmOnHosts:
             "SlurmUser=root",
             "SlurmdUser=root",
             "AuthType=auth/none",
+            # How long a requeued job waits before it may start again (Slurm's default: 120 s).
+            f"AuthInfo=cred_expire={REQUEUE_WAIT_S}",
             "CredType=cred/none",
             "MpiDefault=none",
             "ProctrackType=proctrack/linuxproc",
@@ -136,6 +141,8 @@ class SlurmOnHosts:
         self._write_conf()
         sw = self.cluster.switch
         subprocess.run(["ip", "-n", sw, "addr", "add", f"{self.ctld_address}/24", "dev", self.cluster.bridge], check=True, capture_output=True)
+        # The clients run beside the controller, and a connection to an address of one's own goes over loopback.
+        subprocess.run(["ip", "-n", sw, "link", "set", "lo", "up"], check=True, capture_output=True)
         self.ctld = self._spawn(["ip", "netns", "exec", sw, _binary("slurmctld"), "-D", "-i", "-f", str(self.conf)], "slurmctld.out")
         for i in range(len(self.cluster.hosts)):
             self.start_slurmd(i)
@@ -160,9 +167,10 @@ class SlurmOnHosts:
 
     def client(self, argv: Sequence[str], *, check: bool = True, timeout: float = 60, env: Mapping[str, str] | None = None,
                cwd: str | os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
-        """Run a Slurm client command on the head host (the login node)."""
-        full = self.cluster.enter_argv(self.cluster.head, cwd if cwd is not None else self.dir) + [_binary(argv[0]), *argv[1:]]
-        return subprocess.run(full, env=self.env(env), capture_output=True, text=True, timeout=timeout, check=check)
+        """Run a Slurm client command beside the controller (the login node; no compute node, so it outlives any of them)."""
+        full = ["ip", "netns", "exec", self.cluster.switch, _binary(argv[0]), *argv[1:]]
+        return subprocess.run(full, env=self.env(env), capture_output=True, text=True, timeout=timeout, check=check,
+                              cwd=cwd if cwd is not None else self.dir)
 
     def logs(self) -> str:
         parts = []

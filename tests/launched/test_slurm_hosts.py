@@ -124,3 +124,45 @@ def test_a_node_lost_under_no_kill_is_relaunched_in_the_allocation_and_completes
     verdict = check_ledger(run / "ledger.jsonl", reference=str(reference), rtol=1e-4)
     assert verdict.ok, f"{verdict.problems}\n{detail}"
     print(f"nodes {nodes}: {lost.name} lost; job COMPLETED {took:.1f} s later; submit to end {total:.1f} s")
+
+
+def test_the_allocation_lost_under_requeue_resumes_from_the_newest_checkpoint_exactly(
+    slurm_hosts: SlurmOnHosts, reference: Path, tmp_path: Path
+) -> None:
+    # The three nodes of the allocation are lost whole (the batch script, the supervisor, mpiexec,
+    # every daemon and rank). Slurm requeues the job (sbatch --requeue, in the example); two of the
+    # nodes come back (rebooted: a fresh host, its slurmd started again) and the job starts again on
+    # them and the spare node; the batch script finds the checkpoint in its RUN_DIR and resumes.
+    slurm, cluster = slurm_hosts, slurm_hosts.cluster
+    run, out = tmp_path / "run", tmp_path / "job.out"
+    t0 = time.monotonic()
+    job_id = slurm.submit(["-N", "3", "-n", "3", f"--output={out}", SBATCH, *RUN, *CKPT, "recover.grad_accum=2"],
+                          job_env(run), ROOT)
+    wait_for(lambda: ledger_steps(run) >= 3, 240, "step 2 (and its checkpoint) in the ledger", slurm, job_id)
+    first = slurm.job_state(job_id)
+    killed_at = time.monotonic()
+    for host in (0, 1, 2):
+        cluster.kill_host(host)
+    deadline = time.monotonic() + 120
+    while (state := slurm.job_state(job_id)).get("Restarts", "0") == "0":
+        assert time.monotonic() < deadline, f"not requeued 120 s after its nodes were lost: {state}\n{slurm.logs()}"
+        time.sleep(0.5)
+    requeued_after = time.monotonic() - killed_at
+    for host in (1, 2):  # rebooted
+        cluster.revive(host)
+        slurm.start_slurmd(host)
+    fields = slurm.wait_job(job_id, 240, restarts=1)
+    took, total = time.monotonic() - killed_at, time.monotonic() - t0
+    text = out.read_text(errors="replace")
+    detail = f"{fields}\n{text[-6000:]}\n{slurm.logs()[-3000:]}"
+    assert first["NodeList"] == f"{cluster.hosts[0].name[:-1]}[0-2]" and first["Restarts"] == "0", first
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), detail
+    assert fields["NodeList"] == f"{cluster.hosts[0].name[:-1]}[1-3]", detail
+    resumed = [line for line in text.splitlines() if "resuming at step" in line]
+    assert len(resumed) == 1 and "on 3 replica(s)" in resumed[0], detail
+    records = read_ledger(run / "ledger.jsonl")
+    assert [r["step"] for r in records] == list(range(STEPS)) and all(r["B"] == 6 for r in records), detail
+    verdict = check_ledger(run / "ledger.jsonl", reference=str(reference), rtol=1e-4)
+    assert verdict.ok, f"{verdict.problems}\n{detail}"
+    print(f"nodes {first['NodeList']} lost; requeued {requeued_after:.1f} s later, ran again on {fields['NodeList']}: "
+          f"{resumed[0].split('] ', 1)[-1]}; COMPLETED {took:.1f} s after the loss; submit to end {total:.1f} s")
