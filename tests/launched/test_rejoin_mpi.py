@@ -35,6 +35,12 @@ def check_exact(job: MPIJob, argv: list[str], replicas: int) -> dict[int, dict]:
     results = assert_reference_run(job, argv, replicas)
     # Every finished rank ran the corruption check after every step: zero false positives.
     assert all(r["sdc_checks"] > 0 and r["sdc_detections"] == 0 for r in results.values()), results
+    # A torchmetrics SumMetric of samples updated in training_step: the fault-free total on every rank, the
+    # replacements' included (they take the epoch's totals over with the live state; issue 34).
+    steps = int(argv[argv.index("--steps") + 1])
+    shards = int(argv[argv.index("--shards") + 1]) if "--shards" in argv else 1
+    expected = float(steps * replicas * 2 * 2 * shards)  # train_worker's grad_accum 2 x microbatch size 2 per shard rank
+    assert {r["samples_seen"] for r in results.values()} == {expected}, results
     return results
 
 
