@@ -291,6 +291,22 @@ def _ledger_meaning(path: Path) -> list[Any]:
     return out
 
 
+#: Ledger fields added after recordings were made: compared when both recordings have them,
+#: dropped when one recording predates them (no line of it has the key).
+ADDED_KEYS = {"precision": "the run's precision, which check-ledger fits its tolerance to (issue 34)"}
+
+
+def _without_added_keys(a: list[Any], b: list[Any]) -> tuple[list[Any], list[Any]]:
+    def has(lines: list[Any], key: str) -> bool:
+        return any(isinstance(line, dict) and key in line for line in lines)
+
+    drop = {k for k in ADDED_KEYS if has(a, k) != has(b, k)}
+    if not drop:
+        return a, b
+    strip = lambda lines: [{k: v for k, v in line.items() if k not in drop} for line in lines]  # noqa: E731
+    return strip(a), strip(b)
+
+
 #: Keys of the full ledger line that the compact one encodes in COMPACT_KEYS.
 FULL_KEYS = ("microbatch_ids", "replicas", "roles")
 
@@ -304,7 +320,7 @@ def _rank_result(path: Path) -> Any:
     result = _strip(json.loads(path.read_text()))
     last = result.get("last")
     if isinstance(last, dict):
-        result["last"] = {k: v for k, v in last.items() if k not in COMPACT_KEYS and k not in FULL_KEYS}
+        result["last"] = {k: v for k, v in last.items() if k not in COMPACT_KEYS and k not in FULL_KEYS and k not in ADDED_KEYS}
     return result
 
 
@@ -316,7 +332,7 @@ def compare_config(a: Path, b: Path) -> str | None:
     for p in (la, lb):
         if not p.exists():
             return f"{p} missing"
-    lines_a, lines_b = (_ledger_meaning(p) for p in (la, lb))
+    lines_a, lines_b = _without_added_keys(*(_ledger_meaning(p) for p in (la, lb)))
     d = _first_diff(lines_a, lines_b, "ledger")
     if d:
         return d
