@@ -112,8 +112,9 @@ CONFIGS: dict[str, list[Launch]] = {
     # (6) Static policy cascade: replica 1 dies in the reduce, replica 2 while the survivors
     # replay the boundary step's extra microbatches.
     "cascade_static_4x1": [Launch(4, ["--steps", "4"], [kill(1, 1, "reduce"), kill(1, 2, "forward", microbatch=2)])],
-    # (7) The leader dies while writing the step-4 checkpoint; with min_replicas=4 the job stops;
-    # it resumes from the step-2 checkpoint on 3 replicas.
+    # (7) The leader dies while writing the step-4 checkpoint; the new leader writes it again
+    # (issue 34: before, it resumed from step 2), with min_replicas=4 the job stops; it resumes
+    # from the step-4 checkpoint on 3 replicas.
     "ckpt_resume": [
         Launch(4, ["--steps", "6", "--ckpt-dir", CKPT, "--ckpt-every", "2", "--min-replicas", "4"],
                [kill(4, 0, "checkpoint")], expect_ok=False),
