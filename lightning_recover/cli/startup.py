@@ -134,6 +134,11 @@ class StartWatch:
         # host shares): with a directory of this host alone, a healthy job would look as if it never started.
         shared = self.all_local or any(text.split()[:1] != [here] for text in markers.init.values())
         inits = self._init_times()
+        if not shared and inits and now - min(inits) > self.timeout_s and set(self.local) <= markers.started:
+            # Markers from elsewhere never came, so the bound cannot apply, and every rank here is up:
+            # nothing is left to watch (no more scans of this host's processes for the rest of the job).
+            self.over = True
+            return None
         if shared and inits and now - min(inits) > self.timeout_s:
             self.over = True
             # The ranks that never reached the strategy's start are the lost ones; the others wait in

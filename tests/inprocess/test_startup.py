@@ -139,6 +139,7 @@ def test_no_bound_when_the_status_directory_is_this_hosts_alone(tmp_path: Path) 
     mark(tmp_path, "started.1")
     clock.now += 10_000
     assert w.poll(list) is None
+    assert w.over, "nothing left to watch: the ranks here are up, the bound cannot apply"
 
 
 def test_the_watch_stops_once_every_rank_started(tmp_path: Path) -> None:
