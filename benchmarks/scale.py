@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import platform
 import statistics
@@ -66,6 +65,7 @@ from lightning_recover.recovery.hooks import dispatcher  # noqa: E402
 from lightning_recover.workload.factory import make_policy  # noqa: E402
 from lightning_recover.workload.planner import MicrobatchPlanner  # noqa: E402
 from lightning_recover.workload.policy import WorkloadPolicy  # noqa: E402
+from scaling import fit_power  # noqa: E402  (benchmarks/ is on sys.path: this script's folder)
 
 RESULTS = ROOT / "benchmarks" / "results" / "scale.json"
 SIZES = (64, 1024, 8192, 32768, 131072)
@@ -293,27 +293,13 @@ def write_ledger(path: Path, W: int, G: int, steps: int, loss_at: int) -> float:
     return time.perf_counter() - t0
 
 
-def fit_exponent(xs: Sequence[float], ys: Sequence[float]) -> float:
-    """k of y ~ a * x^k, least squares on log-log."""
-    lx, ly = [math.log(x) for x in xs], [math.log(max(y, 1e-9)) for y in ys]
-    mx, my = statistics.fmean(lx), statistics.fmean(ly)
-    den = sum((a - mx) ** 2 for a in lx)
-    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / den if den else 0.0
-
-
 #: The quantities simulate.py takes per job size, fitted as cost = a * W^k seconds.
 CURVES = ("rank_step_s", "engine_loss_s", "engine_replan_s", "join64_s")
 
 
 def fitted_costs(rows: Sequence[dict[str, Any]]) -> dict[str, tuple[float, float]]:
     """``{quantity: (a, k)}`` with cost = a * W^k seconds, fitted on the rows' medians."""
-    out: dict[str, tuple[float, float]] = {}
-    for key in CURVES:
-        xs, ys = [r["W"] for r in rows], [r[key] for r in rows]
-        k = fit_exponent(xs, ys)
-        a = statistics.fmean(y / x**k for x, y in zip(xs, ys))
-        out[key] = (a, k)
-    return out
+    return {key: fit_power([r["W"] for r in rows], [r[key] for r in rows]) for key in CURVES}
 
 
 COLUMNS = (
@@ -352,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             row = measure(W, args.reps, args.steps, Path(tmp), args.dataset)
             rows.append(row)
             print("  ".join([f"{W:>13}", *(f"{row[k] * s:>11.3f}{u:>2}" if u else f"{row[k]:>13}" for k, _, s, u in COLUMNS)]), flush=True)
-        fits = {k: fit_exponent([r["W"] for r in rows], [r[k] for r in rows]) for k, *_ in COLUMNS}
+        fits = {k: fit_power([r["W"] for r in rows], [r[k] for r in rows])[1] for k, *_ in COLUMNS}
         print("  ".join([f"{'growth W^k':>13}", *(f"{fits[k]:>13.2f}" for k, *_ in COLUMNS)]))
         W_l, G_l = (32768, 8) if not args.quick else (2048, 8)
         ledger = Path(tmp) / "big.jsonl"
