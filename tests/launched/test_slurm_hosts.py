@@ -114,6 +114,8 @@ def test_a_node_lost_under_no_kill_is_relaunched_in_the_allocation_and_completes
     text = out.read_text()
     detail = f"{fields}\n{text[-6000:]}\n{slurm.logs()[-3000:]}"
     assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), detail
+    # Both attempts asked Open MPI's srun for its daemons to share the job's CPUs (else the relaunch waits behind the lost step).
+    assert text.count("--prtemca plm_slurm_args --overlap") == 2, detail
     relaunch = [line for line in text.splitlines() if "supervise:" in line and "relaunch 1/" in line]
     assert len(relaunch) == 1 and f"lost host(s): {lost.name}" in relaunch[0], detail
     left = ",".join(f"{h.name}:1" for h in cluster.hosts[:2])
