@@ -7,6 +7,7 @@
   mpiexec      the mpiexec command line and environment that switch ULFM on
   runner       mpiexec in its own session, always ended: stuck aborts, finished worlds, stalls, signals
   job_status   the ranks' markers read back: the job's exit status and the launcher's last line
+  startup      the watch over a job's start: a rank lost before its communicator ends the job with one line
   hosts        this machine's names, the Slurm allocation's hosts, the reachability probe
   supervision  supervised relaunch (pure): why a run ended, where it goes next
   joiner       a replacement's or warm standby's entry point (spawned by the survivors): merge,

@@ -456,12 +456,6 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         step = self.lightning_module.trainer.global_step  # type: ignore[union-attr]
         return self.job.state_dict(step=step, planner=self.data.planner.state_dict())
 
-    @property
-    def checkpoint_writer(self) -> checkpoint_io.CheckpointWriter:
-        """This rank's DCP writer (see :mod:`~lightning_recover.strategies.checkpoint_io`); ``last_blocking_s`` says
-        how long the last save held the step loop."""
-        return self._checkpoints.writer
-
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Only the leader replica writes; in the background unless ``recover.checkpoint.async_save=false``."""

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.optim import Optimizer
 
 from lightning_recover.config import ConfigurationError
 
@@ -155,17 +154,3 @@ def to_local_tree(obj: Any) -> Any:
     if isinstance(obj, tuple):
         return tuple(to_local_tree(v) for v in obj)
     return obj
-
-
-def load_local_optimizer_state(opt: Optimizer, state: dict[str, Any]) -> None:
-    """Load a state saved by :func:`to_local_tree`: per-parameter tensors become DTensors again."""
-    from torch.distributed.tensor import DTensor
-
-    opt.load_state_dict(state)
-    for group in opt.param_groups:
-        for p in group["params"]:
-            if not hasattr(p, "device_mesh"):
-                continue
-            for key, value in opt.state.get(p, {}).items():
-                if isinstance(value, Tensor) and not isinstance(value, DTensor) and value.shape == p.to_local().shape:
-                    opt.state[p][key] = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False)
