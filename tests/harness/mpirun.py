@@ -210,7 +210,10 @@ def joins_by_replica(records: list[dict]) -> dict[int, list[dict]]:
 
 
 def ledger_lines(job: MPIJob) -> list[dict]:
-    return [json.loads(line) for line in (job.outdir / "ledger.jsonl").read_text().splitlines()]
+    """The job's ledger, every line with its full replicas and roles (the compact lines resolved)."""
+    from lightning_recover.audit.ledger import read_ledger
+
+    return read_ledger(job.outdir / "ledger.jsonl")
 
 
 def assert_reference_run(job: MPIJob, argv: list[str], replicas: int) -> dict[int, dict]:
