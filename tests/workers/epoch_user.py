@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,15 @@ class TinyLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.05)
 
 
+class SlowWhileDegraded(L.Callback):
+    """Sleep after each step while a replica is missing: room for a replacement to start on 2 cores."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: object) -> None:
+        comm = trainer.strategy.comm  # type: ignore[attr-defined]
+        if len(comm.alive_replicas) < comm.layout.replicas:
+            time.sleep(2.5)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--grad-accum", type=int, default=2)
@@ -87,6 +97,7 @@ def main() -> None:
     ap.add_argument("--faults", default="[]")
     ap.add_argument("--ckpt-dir", default=None, help="ModelCheckpoint(dirpath=..., monitor=val_loss) there")
     ap.add_argument("--async-save", type=int, default=1)
+    ap.add_argument("--rejoin", action="store_true", help="hot re-join; every rank sleeps 2.5 s after a step while a replica is missing")
     args = ap.parse_args()
     out = Path(os.environ["LR_TEST_OUT"])
     torch.manual_seed(0)
@@ -94,8 +105,10 @@ def main() -> None:
     # file in ModelCheckpoint's directory, which must not make Lightning call it "not empty".
     ledger = Path(args.ckpt_dir or out) / "ledger.jsonl"
     strategy = ReCoVerHSDPStrategy(grad_accum=args.grad_accum, shards=args.shards, bucket_mb=0.01, ledger_path=str(ledger),
-                                   checkpoint_async_save=bool(args.async_save))
+                                   checkpoint_async_save=bool(args.async_save), rejoin=args.rejoin, rejoin_backoff_s=0.5)
     callbacks: list[Any] = [FaultInjection(json.loads(args.faults))]
+    if args.rejoin:
+        callbacks.append(SlowWhileDegraded())
     best = None
     if args.ckpt_dir is not None:
         best = ModelCheckpoint(dirpath=args.ckpt_dir, monitor="val_loss", save_top_k=1, save_last=True)
