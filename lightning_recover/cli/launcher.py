@@ -24,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from lightning_recover.cli.console import ConsoleFilter, summary
@@ -43,10 +43,11 @@ from lightning_recover.cli.supervision import (
     classify,
     decide,
     first_plan,
+    free_hosts,
     host_arg,
     replayed_steps,
 )
-from lightning_recover.runtime.markers import ENV_STATUS_DIR
+from lightning_recover.runtime.markers import ENV_SPARE_HOSTS, ENV_STATUS_DIR
 
 
 def launch(
@@ -78,7 +79,7 @@ def launch(
     print("[lightning-recover] " + shlex.join(argv), file=sys.stderr, flush=True)
     if (note := safe_coll_note(argv)) is not None:
         print(f"[lightning-recover] {note}", file=sys.stderr, flush=True)
-    env = launch_env()
+    env = _with_spare_hosts(launch_env(), hosts, nprocs)
     # Only hosts that are all this machine let the stuck-abort rule see every rank (lightning_recover.cli.runner).
     here = hosts is None or all(h.name in local_host_names() for h in hosts)
     if status_root is not None:
@@ -100,6 +101,19 @@ def launch(
     if words is not None:
         print(f"[lightning-recover] {words}", file=sys.stderr, flush=True)
     return status
+
+
+def _with_spare_hosts(env: Mapping[str, str], hosts: Sequence[Host] | None, nprocs: int) -> dict[str, str]:
+    """``env`` with the hosts that have free slots after placing ``nprocs`` ranks on ``hosts``
+    (:data:`ENV_SPARE_HOSTS`): where re-join puts replacements and warm standbys. Kept when the
+    user set it; none on this machine alone (``hosts`` None)."""
+    env = dict(env)
+    if hosts is None or ENV_SPARE_HOSTS in env:
+        return env
+    free = free_hosts(hosts, nprocs)
+    if free:
+        env[ENV_SPARE_HOSTS] = host_arg(free)
+    return env
 
 
 # ---------------------------------------------------------------------- supervised relaunch
@@ -320,7 +334,8 @@ def supervise(
             say(f"[lightning-recover] supervise: attempt {relaunches + 1}: " + shlex.join(argv))
             if relaunches == 0 and (note := safe_coll_note(argv)) is not None:
                 say(f"[lightning-recover] {note}")
-            env = dict(env_base, **{ENV_STATUS_DIR: status_dir, ENV_ATTEMPT: str(relaunches)})
+            env = dict(_with_spare_hosts(env_base, None if local else plan.hosts, plan.nprocs),
+                       **{ENV_STATUS_DIR: status_dir, ENV_ATTEMPT: str(relaunches)})
             t_start = time.time()
             progress = _Progress(ledger, t_start)
 

@@ -173,6 +173,24 @@ def host_arg(hosts: Sequence[Host]) -> str:
     return ",".join(str(h) for h in hosts)
 
 
+def free_hosts(hosts: Sequence[Host], nprocs: int) -> tuple[Host, ...]:
+    """The hosts with slots left once ``nprocs`` ranks fill ``hosts`` in order (Open MPI's default
+    mapping), each with its free slots: spare hosts (no rank of the job) first, then hosts
+    partly used, each group in host order. Where re-join places replacements
+    (:mod:`lightning_recover.membership.placement`)."""
+    if nprocs < 0:
+        raise ValueError(f"nprocs must be >= 0, got {nprocs}")
+    left, spare, partial = nprocs, [], []
+    for h in hosts:
+        used = min(left, h.slots)
+        left -= used
+        if used == 0:
+            spare.append(h)
+        elif used < h.slots:
+            partial.append(Host(h.name, h.slots - used))
+    return (*spare, *partial)
+
+
 def _short(name: str) -> str:
     return name.split(".", 1)[0]
 

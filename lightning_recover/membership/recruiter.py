@@ -90,9 +90,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lightning_recover.membership.handshake import ABORT, GO, TAG_DECISION, TAG_HELLO, TAG_READY, TAG_SEAT, host_checksum
+from lightning_recover.membership.placement import spawn_placement
 from lightning_recover.membership.seat import Seat
 from lightning_recover.membership.standby import Standby, WarmStandbys
 from lightning_recover.runtime import lifecycle
+from lightning_recover.runtime.markers import ENV_SPARE_HOSTS
 
 if TYPE_CHECKING:
     from lightning_recover.comm.communicator import FaultTolerantComm
@@ -317,14 +319,15 @@ class Recruiter(WarmStandbys):
         return {**self.context(), "lost_at": self.lost_at}
 
     def _spawn_info(self) -> Any:
-        """Where spawned processes go, cold replacements and standbys alike (``recover.rejoin_hosts``)."""
+        """Where spawned processes go, cold replacements and standbys alike (:mod:`~lightning_recover.membership.placement`)."""
         MPI = _mpi()
         info = MPI.Info.Create()
         info.Set("wdir", os.getcwd())
         info.Set("bind_to", "none")
-        if self.hosts:
-            info.Set("host", self.hosts)
-        else:
+        where = spawn_placement(self.hosts, os.environ.get(ENV_SPARE_HOSTS), self.failures_in_a_row)
+        if where.host:
+            info.Set("host", where.host)
+        if where.oversubscribe:
             # A dead rank's slot is not given back: only an oversubscribed placement finds room.
             info.Set("map_by", ":OVERSUBSCRIBE")
         return info

@@ -24,3 +24,8 @@ START_LOST_MARKER = "lost at start"
 #: Environment variable: how long (seconds) the launcher waits, from the first rank's ``init``
 #: marker, for every rank to bring its communicator up before it ends the job as lost at start.
 ENV_START_TIMEOUT = "LIGHTNING_RECOVER_START_TIMEOUT"
+#: Environment variable: the launch's hosts with free slots (``name:free,...``, spare hosts -- those
+#: running none of the job's ranks -- first), where re-join places replacements and warm standbys
+#: (:mod:`lightning_recover.membership.placement`). Set by ``lightning-recover launch`` when it places
+#: the job on hosts (``--hosts``, ``--hostfile``, a Slurm allocation) and slots are left over.
+ENV_SPARE_HOSTS = "LIGHTNING_RECOVER_SPARE_HOSTS"
