@@ -134,8 +134,10 @@ from lightning_recover.testing.chaos import (  # noqa: E402
     Outcome,
     Prediction,
     read_attempts,
+    draw_host_join_run,
     draw_host_run,
     draw_run,
+    join_draw_kinds,
     last_relaunch_idle,
     summary,
     supervisor_lines,
@@ -532,9 +534,15 @@ def execute_on_hosts(
     elif pred.proceeds:
         if out.relaunches:
             out.bounded = bool(bounded)
-            if not bounded:
-                # In place was possible; only an agreement the MPI never returned from may end it.
+            out.unwatched = bool(pred.rejoin and not bounded and _unwatched_stall(run, harness, log_text, reasons))
+            if not bounded and not out.unwatched:
+                # In place was possible; only an agreement the MPI never returned from may end it, or (with
+                # re-join) a silent fault of a replacement, which no failure detector watches.
                 out.violations.append(f"relaunched although the rule lets the head's side go on in place: {reasons[:1]}")
+        elif pred.rejoin:
+            # Replicas lost may be back through re-join (or not, if every attempt failed): never-hit ones must be there.
+            if not pred.final[0] <= last or not last <= set(range(run.replicas)):
+                out.violations.append(f"the last world is {sorted(last)}: it must hold the head's replicas {sorted(pred.final[0])}")
         elif pred.flap:
             if not last or not last <= pred.final[0]:
                 out.violations.append(f"after the flap the last world is {sorted(last)}, not a part of {sorted(pred.final[0])}")
@@ -542,7 +550,7 @@ def execute_on_hosts(
             out.violations.append(f"the last world is {sorted(last)}, the rule predicts {' or '.join(str(sorted(f)) for f in pred.final)}")
         # A flap's lost ranks may also have been aborted by Open MPI itself (declared dead, then
         # told so once the link was back): only a partition's are held to the marker.
-        for a in (a for a in harness.applied if a.kind == "host_partition"):
+        for a in (a for a in harness.applied if a.kind == "host_partition" and not _from_replacement(run, harness, a)):
             left = [r for r in a.ranks if out.relaunches or r // run.shards not in last]
             quiet = [r for r in left if not first.markers["exited"].get(r, "").startswith("no quorum")]
             if quiet:
@@ -560,6 +568,7 @@ def execute_on_hosts(
     if out.relaunches:
         out.relaunch_cause = (
             "the host's daemon lost" if pred.host_lost else "an agreement that never returned (bounded)" if out.bounded
+            else "a replacement stopped where no detector watches it (stall timeout)" if out.unwatched
             else "no quorum (by the rule)" if out.no_quorum else "the flap cost every replica" if pred.flap else "?"
         )
         # The relaunch ran no faults: all of its ranks form the last world -- unless it found every
@@ -578,6 +587,10 @@ def execute_on_hosts(
     events = [e for lg in ledgers for line in lg for e in line.get("sdc", [])]
     if events:
         out.violations.append(f"false positive: {len(events)} corruption event(s) in a run without injected corruption: {events}")
+    if run.rejoin:
+        done = {(a.rank, a.step, a.phase) for a in harness.applied if a.error is None}
+        out.join_kinds = join_draw_kinds(run, [f for f in run.faults if (f["rank"], f["step"], f["phase"]) in done
+                                               or f"{f['kind']} rank {f['rank']} at step {f['step']} {f['phase']}" in log_text])
     applied = [{r // run.shards for r in a.ranks} for a in harness.applied if a.error is None]
     out.fired = len(hit) + len(applied)
     lost = {r for lg in ledgers for line in lg for r in line["faults"]}
@@ -587,6 +600,23 @@ def execute_on_hosts(
     out.recovered = sum(1 for replicas in handled if replicas <= lost | last or (out.relaunches and not out.violations))
     out.pauses = [p for lg in ledgers for line in lg for p in line.get("pauses_s", [])]
     return out
+
+
+def _unwatched_stall(run: ChaosRun, harness: Any, log_text: str, reasons: list[str]) -> bool:
+    """The first attempt ended by the stall timeout after a replacement (a spawned process) was frozen or cut
+    off with its host: Open MPI's heartbeat detector watches the ranks of the launch's own world only
+    (a ring over MPI_COMM_WORLD), never a spawn's, so nobody declares such a replacement dead and the
+    survivors wait in their collective until the supervisor's stall watchdog relaunches the job."""
+    silent = [a for a in harness.applied if a.error is None and a.kind in ("host_freeze", "host_partition")
+              and _from_replacement(run, harness, a)]
+    return bool(silent) and bool(reasons) and "no progress within the stall timeout" in reasons[0]
+
+
+def _from_replacement(run: ChaosRun, harness: Any, fault: Any) -> bool:
+    """Whether a host fault was asked for by a replacement: a rank running away from its launch host (on the
+    spare host). Its ranks are held to no marker: a replacement cut off before admission leaves by its own
+    timer, and one cut off after it is never declared dead (:func:`_unwatched_stall`)."""
+    return fault.error is None and 0 <= fault.rank < run.world and harness.cluster.hosts[run.host_of(fault.rank)].name != fault.host
 
 
 def _let_cut_off_ranks_leave(cluster: Any, harness: Any) -> None:
@@ -601,15 +631,18 @@ def _let_cut_off_ranks_leave(cluster: Any, harness: Any) -> None:
 
 def host_campaign(
     runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, n_hosts: int, hangs: bool = True,
-    two_host_faults: float = 0.0,
+    two_host_faults: float = 0.0, joins: bool = False, standbys: int = 0,
 ) -> list[Outcome]:
-    """``--hosts N``: the campaign on N fake hosts built once (module docstring)."""
+    """``--hosts N`` (with ``joins``: ``--hosts N --joins``): the campaign on N fake hosts built once (module docstring)."""
     from lightning_recover.testing.fake_cluster import FakeCluster
     from lightning_recover.testing.fake_netns import cleanup_stale
     from lightning_recover.testing.host_faults import HostFaultHarness
 
     rng = random.Random(seed)
-    draws = [draw_host_run(i, rng, steps, n_hosts, hangs=hangs, two_host_faults=two_host_faults) for i in range(runs)]
+    if joins:
+        draws = [draw_host_join_run(i, rng, steps, n_hosts, standbys=standbys) for i in range(runs)]
+    else:
+        draws = [draw_host_run(i, rng, steps, n_hosts, hangs=hangs, two_host_faults=two_host_faults) for i in range(runs)]
     outcomes = []
     cleanup_stale()  # what a SIGKILLed earlier campaign left (only instances whose owner is gone)
     slots = max(run.slots for run, _ in draws)
@@ -622,7 +655,8 @@ def host_campaign(
                 end = f"relaunched x{res.relaunches} ({res.relaunch_cause}; cost {'; '.join(res.relaunch_costs) or '?'})"
             else:
                 end = "went on in place"
-            print(f"[{run.index + 1}/{runs}] {run.describe()} [{'; '.join(res.host_faults)}] -> {end}, "
+            kinds = f" {{{', '.join(res.join_kinds)}}}" if res.join_kinds else ""
+            print(f"[{run.index + 1}/{runs}] {run.describe()} [{'; '.join(res.host_faults)}]{kinds} -> {end}, "
                   f"{res.recovered}/{res.fired} recovered in {res.seconds:.0f}s {status}", flush=True)
     return outcomes
 
@@ -690,13 +724,15 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--hosts must be >= 2 (a host fault needs a host besides the head, where mpiexec runs), got {args.hosts}")
         if args.steps < 3:
             ap.error(f"--hosts needs --steps >= 3 (a step before the host fault and one after), got {args.steps}")
-        if args.joins or args.stuck or args.corrupt or args.terms:
-            ap.error("--hosts does not combine with --joins, --stuck, --corrupt or --terms (their campaigns run on one machine)")
+        if args.stuck or args.corrupt or args.terms:
+            ap.error("--hosts does not combine with --stuck, --corrupt or --terms (their campaigns run on one machine)")
+        if args.joins and args.hosts < 3:
+            ap.error(f"--hosts N --joins needs N >= 3 (the job on two hosts, a spare host for the replacements), got {args.hosts}")
         if not 0 <= args.two_host_faults <= 1:
             ap.error(f"--two-host-faults must be a fraction in [0, 1], got {args.two_host_faults}")
         outcomes = host_campaign(
             args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, args.hosts, hangs=not args.no_hangs,
-            two_host_faults=args.two_host_faults,
+            two_host_faults=args.two_host_faults, joins=args.joins, standbys=args.standbys,
         )
     else:
         outcomes = campaign(

@@ -41,7 +41,9 @@ Host-level faults (a rank cannot do them to its own host; a harness outside the 
     ``host_freeze`` (every process of the host SIGSTOPped), ``host_partition`` (the host's
     link down for good) and ``host_flap`` (the link down for ``seconds``, default
     :data:`FLAP_DEFAULT_S`, then up again). ``rank`` names the rank whose arrival at the
-    point triggers the fault *and* the host it hits (the host that rank runs on).
+    point triggers the fault *and* the host it hits (the host that rank runs on). At a re-join
+    phase that is the replacement's host (a spare host, by the placement rule of
+    :mod:`lightning_recover.membership.placement`), or the donor's for ``join_transfer``.
     Contract with the harness (:class:`lightning_recover.testing.host_faults.HostFaultHarness`
     on fake hosts, or any other that speaks it):
 
@@ -148,11 +150,6 @@ class FaultSpec:
             seconds = float(seconds)
         elif seconds is not None:
             raise ValueError(f"fault.schedule[{index}].seconds={seconds!r} applies only to kind=host_flap (this entry is kind={kind})")
-        if kind in HOST_KINDS and phase in ("join_startup", "join_ready", "join_transfer", "joined"):
-            raise ValueError(
-                f"fault.schedule[{index}]: kind={kind} at phase={phase} is not supported (a re-join attempt runs on a spare "
-                "host the harness does not pick); use forward, backward, reduce, optimizer or another training phase"
-            )
         ints = {}
         for key in ("step", "rank", "microbatch", "bucket"):
             v = entry.get(key)

@@ -253,7 +253,28 @@ def _merge_with_parent(refusal: str) -> Any:
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     handshake.say_hello(merged)
     milestones.mark("merged")
+    threading.Thread(target=_keep_alive, args=(MPI.COMM_SELF,), name="lightning-recover-keep-alive", daemon=True).start()
     return merged
+
+
+#: How often a replacement that is not yet admitted enters MPI's progress engine (seconds).
+KEEP_ALIVE_S = 0.25
+
+
+def _keep_alive(comm: Any) -> None:
+    """Enter MPI's progress engine every :data:`KEEP_ALIVE_S` until admitted. This process imports torch
+    and Lightning and runs the script's set-up for seconds after MPI started, without an MPI call;
+    Open MPI's heartbeat detector without its thread (on fake hosts, or ``--mpi-detector``) sends
+    heartbeats only from inside MPI calls, so a replacement would be declared dead (and aborted by
+    Open MPI) while it imports. Once admitted, training's collectives make the progress."""
+    from mpi4py import MPI
+
+    while not is_admitted():
+        try:
+            comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)  # nobody sends on COMM_SELF: only the progress matters
+        except Exception:  # MPI is being torn down as this process leaves: nothing to keep alive
+            return
+        time.sleep(KEEP_ALIVE_S)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +187,9 @@ class Prediction:
     #: first (the abort comes a moment after the loss); then ``proceeds``/``final`` say how, by the
     #: rule, as for a host whose ranks all died out of the survivors' sight.
     host_lost: bool = False
+    #: A run with hot re-join on (``--hosts N --joins``): the lost replicas may be back, so the last world
+    #: is held to contain ``final[0]`` (the head host's replicas, never hit), and to lie within the job's replicas.
+    rejoin: bool = False
 
 
 def predict(run: ChaosRun, flap_lost: bool = True) -> Prediction:
@@ -312,6 +315,87 @@ def draw_host_run(
     raise RuntimeError(f"no valid run on {n_hosts} hosts drawn in 1000 tries; this is a bug in draw_host_run")
 
 
+#: (hosts, slots per host, replicas, shards) for ``--hosts N --joins``: the job fills hosts 0 and 1, host 2
+#: is the spare host the launcher names for re-join (:mod:`lightning_recover.membership.placement`).
+HOST_JOIN_TOPOLOGIES: tuple[tuple[int, int, int, int], ...] = ((3, 1, 2, 1), (3, 2, 4, 1), (3, 2, 2, 2))
+#: The host that holds no rank of a ``--joins`` run on fake hosts: where its replacements go.
+SPARE_HOST = 2
+#: The draw kinds of ``--hosts N --joins`` (issue 36), counted by the summary: a host fault on the
+#: replacement's host while it is started, seated or fed the state, a frozen host during the transfer,
+#: the spare host lost later in the run, two host faults in one run, a rank stopped alone on its host.
+JOIN_DRAW_KINDS = ("host fault during a join", "frozen host during a transfer", "spare host lost", "two host faults",
+                   "rank stopped alone on its host")
+#: Host faults a replacement's host may get while it joins (a host lost with Open MPI's daemon aborts the job).
+JOIN_HOST_KINDS = ("host_ranks_kill", "host_freeze", "host_partition", "host_kill")
+
+
+def join_draw_kinds(run: ChaosRun, fired: list[dict[str, Any]] | None = None) -> list[str]:
+    """Which of :data:`JOIN_DRAW_KINDS` ``run``'s schedule has, or (``fired``) those of its faults that fired."""
+    if fired is not None:
+        run = replace(run, faults=fired)
+    kinds = []
+    joins = [f for f in run.faults if f["phase"] in JOIN_PHASES]
+    if any(f["kind"].startswith("host_") for f in joins):
+        kinds.append(JOIN_DRAW_KINDS[0])
+    if any(f["kind"] == "host_freeze" and f["phase"] == "join_transfer" for f in joins):
+        kinds.append(JOIN_DRAW_KINDS[1])
+    training = [f for f in run.faults if f["phase"] not in JOIN_PHASES]
+    # A host fault triggered by a rank that was lost earlier: its replacement's host, the spare host.
+    if any(g["kind"].startswith("host_") and g["rank"] == f["rank"] and g["step"] > f["step"] for f in training for g in training):
+        kinds.append(JOIN_DRAW_KINDS[2])
+    if sum(f["kind"].startswith("host_") for f in run.faults) >= 2:
+        kinds.append(JOIN_DRAW_KINDS[3])
+    if any(f["kind"] == "hang" and sum(run.host_of(r) == run.host_of(f["rank"]) for r in range(run.world)) == 1
+           for f in training):
+        kinds.append(JOIN_DRAW_KINDS[4])
+    return kinds
+
+
+def draw_host_join_run(index: int, rng: random.Random, steps: int, n_hosts: int, standbys: int = 0) -> tuple[ChaosRun, Prediction]:
+    """One run on fake hosts with hot re-join on: the job on hosts 0 (the head) and 1, host
+    :data:`SPARE_HOST` spare. Early on, host 1 loses its replicas (all its ranks killed, frozen,
+    cut off, or lost with Open MPI's daemon) or, on one-slot hosts, its lone rank is SIGSTOPped
+    (nobody on its host watches it). Their replacements go to the spare host; about half of the
+    runs fault the first attempt while it starts, is fed the state or has just joined (a kill of
+    the replacement, or a host fault of the spare host), and about 40% lose the spare host again
+    late in the run (what runs there then: a replacement or a standby). The head's side holds
+    at least half of every world, so the rule always lets it go on in place, except where a
+    host is lost with its daemon (Open MPI aborts the job; the supervisor relaunches)."""
+    if n_hosts < 3:
+        raise ValueError(f"--hosts N --joins needs N >= 3 (the job on two hosts and a spare host for replacements), got {n_hosts}")
+    if steps < 20:
+        raise ValueError(f"--hosts N --joins needs --steps >= 20 (replacements take seconds to start on 2 cores), got {steps}")
+    H, slots, W, S = rng.choice(HOST_JOIN_TOPOLOGIES)
+    run = ChaosRun(index, W, S, None, grad_accum=rng.randint(1, 2), steps=steps, seed=rng.randint(0, 2**31 - 1),
+                   rejoin=True, standbys=standbys, hosts=H, slots=slots)
+    on_host1 = [r for r in range(run.world) if run.host_of(r) == 1]
+    first_kinds = [*JOIN_HOST_KINDS, *(["hang", "hang"] if slots == 1 else [])]
+    kind = rng.choice(first_kinds)
+    if kind == "host_kill" and rng.random() < 0.5:
+        kind = rng.choice(first_kinds)  # a lost daemon ends the run's faults (the relaunch runs none): drawn less
+    first_step = rng.randint(1, 3)
+    lost_rank = rng.choice(on_host1)
+    run.faults.append({"step": first_step, "rank": lost_rank, "phase": rng.choice(PHASES), "kind": kind})
+    if kind != "host_kill" and rng.random() < 0.5:
+        # The first re-join attempt: its replacement of ``lost_rank`` (on the spare host) killed, or its host hit.
+        phase = rng.choice(JOIN_PHASES)
+        jkind = rng.choice(["kill", *JOIN_HOST_KINDS, "host_freeze"] if phase == "join_transfer" else ["kill", *JOIN_HOST_KINDS])
+        run.faults.append({"step": 1, "rank": lost_rank, "phase": phase, "kind": jkind})
+    if kind != "host_kill" and not any(f["kind"] == "host_kill" for f in run.faults) and rng.random() < 0.4:
+        # Late, the spare host is lost again; its trigger is the replacement of ``lost_rank``, running there
+        # by then (a run whose re-join never succeeded has nobody there to trigger it: not fired).
+        run.faults.append({"step": rng.randint(steps - 8, steps - 3), "rank": lost_rank, "phase": rng.choice(PHASES),
+                           "kind": rng.choice(SECOND_HOST_FAULT_KINDS)})
+    for f in run.faults:
+        if f["phase"] in ("forward", "backward"):
+            f["microbatch"] = 0
+        elif f["phase"] == "reduce":
+            f["bucket"] = 0
+    head = frozenset(r // S for r in range(run.world) if run.host_of(r) == 0)
+    lost = any(f["kind"] == "host_kill" for f in run.faults)
+    return run, Prediction(True, (head,), host_lost=lost, rejoin=True)
+
+
 # ---------------------------------------------------------------------- judging
 @dataclass
 class Outcome:
@@ -350,6 +434,11 @@ class Outcome:
     bounded: bool = False
     #: Why the first attempt could not go on in place ("" when it did).
     relaunch_cause: str = ""
+    #: ``--hosts N --joins``: relaunched by the stall timeout after a replacement was frozen or cut off
+    #: with its host (no failure detector watches a spawned process: benchmarks/chaos.py's docstring).
+    unwatched: bool = False
+    #: ``--hosts N --joins``: the :data:`JOIN_DRAW_KINDS` whose faults fired in this run.
+    join_kinds: list[str] = field(default_factory=list)
 
 
 def status_markers(directory: Path) -> dict[str, dict[int, str]]:
@@ -430,6 +519,8 @@ def summary(outcomes: list[Outcome]) -> str:
             ("cut-off ranks that left (no quorum)", sum(o.cut_off_left for o in outcomes)),
             ("relaunches that found the job finished", sum(o.idle_relaunches for o in outcomes)),
         ]
+    if any(o.run.hosts and o.run.rejoin for o in outcomes):
+        rows += [(f"fired: {kind}", sum(1 for o in outcomes if kind in o.join_kinds)) for kind in JOIN_DRAW_KINDS]
     if detects:
         rows.append(("silent-fault detection", f"n={len(detects)} median {detects[len(detects) // 2]:.2f}s max {detects[-1]:.2f}s"))
     width = max(len(k) for k, _ in rows)

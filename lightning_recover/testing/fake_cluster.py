@@ -53,6 +53,7 @@ instance whose process died left.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shlex
 import shutil
@@ -136,6 +137,27 @@ fi
 pid=$(cat "$dir/$host.pid")
 exec setsid -w nsenter -t "$pid" --net --uts --mount --ipc --wd="$PWD" -- /bin/sh -c "$*"
 """
+
+
+def _replacement_rank(pid: int, world_rank: int) -> int | None:
+    """The job's rank a process stands for: its world rank, unless it is a re-join replacement (its
+    world is its spawn's; the seat in its argv names the rank it takes over) or a warm standby not
+    yet seated (None: no rank of the job yet)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return world_rank
+    if "lightning_recover.cli.joiner" not in argv:
+        return world_rank
+    at = argv.index("lightning_recover.cli.joiner") + 1
+    if at >= len(argv) or argv[at] == "--standby":
+        return None
+    try:
+        ranks = json.loads(argv[at])["ranks"]
+        return int(ranks[world_rank])
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
 
 
 class FakeCluster:
@@ -466,7 +488,9 @@ class FakeCluster:
                 continue
             rank = environ_of(pid).get("OMPI_COMM_WORLD_RANK")
             if rank is not None and rank.isdigit() and comm_of(pid) not in RUNTIME:
-                found[pid] = int(rank)
+                logical = _replacement_rank(pid, int(rank))
+                if logical is not None:
+                    found[pid] = logical
         return found
 
     def stopped_ranks(self, host: FakeHost | str | int) -> list[int]:

@@ -13,8 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_recover.testing.chaos import (
-    HOST_FAULT_KINDS, JOIN_PHASES, PHASES, SECOND_HOST_FAULT_KINDS, ChaosRun, Prediction, draw_host_run, draw_run, last_relaunch_idle, predict,
+    HOST_FAULT_KINDS, JOIN_DRAW_KINDS, JOIN_PHASES, PHASES, SECOND_HOST_FAULT_KINDS, SPARE_HOST, ChaosRun, Prediction, draw_host_join_run,
+    draw_host_run, draw_run, join_draw_kinds, last_relaunch_idle, predict,
 )
+from lightning_recover.callbacks.fault_injection import FaultSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -208,3 +210,40 @@ def test_some_seeds_draw_two_host_faults() -> None:
     rng = random.Random(5)
     draws = [draw_host_run(i, rng, 5, 3, two_host_faults=1.0)[0] for i in range(40)]
     assert sum(1 for r in draws if sum(f["kind"].startswith("host_") for f in r.faults) == 2) >= 2
+
+
+# ---------------------------------------------------------------------- re-join on fake hosts (--hosts N --joins)
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(20, 40), standbys=st.integers(0, 1))
+def test_host_join_draws_leave_the_spare_host_free_and_the_head_whole(seed: int, steps: int, standbys: int) -> None:
+    run, pred = draw_host_join_run(0, random.Random(seed), steps, 3, standbys=standbys)
+    assert run.rejoin and run.standbys == standbys and run.hosts == 3
+    assert {run.host_of(r) for r in range(run.world)} == {0, 1}  # the spare host holds no rank at launch
+    assert SPARE_HOST * run.slots >= run.world
+    first = run.faults[0]
+    assert run.host_of(first["rank"]) == 1 and first["phase"] in PHASES
+    for f in run.faults:
+        FaultSpec.parse(f)  # every entry is one FaultInjection accepts
+        assert f["rank"] == first["rank"]  # later faults hit its replacement (on the spare host) or its attempts
+        assert f is first or f["phase"] in JOIN_PHASES or f["step"] > first["step"]
+        assert f["step"] <= steps - 3 or f["phase"] in JOIN_PHASES
+    # The head host's replicas are never hit and hold at least half of every world: the rule lets them go on.
+    head = {r // run.shards for r in range(run.world) if run.host_of(r) == 0}
+    assert pred.rejoin and pred.proceeds and pred.final == (frozenset(head),) and 2 * len(head) >= run.replicas
+    assert pred.host_lost == any(f["kind"] == "host_kill" for f in run.faults)
+
+
+def test_host_join_draws_cover_every_kind_the_campaign_counts() -> None:
+    rng = random.Random(1)
+    kinds = [k for i in range(40) for k in join_draw_kinds(draw_host_join_run(i, rng, 30, 3)[0])]
+    assert set(kinds) == set(JOIN_DRAW_KINDS)
+    # A draw kind counts only for the faults that fired: none fired, none counted.
+    run = draw_host_join_run(0, random.Random(3), 30, 3)[0]
+    assert join_draw_kinds(run, fired=[]) == []
+
+
+def test_host_join_draws_refuse_too_few_hosts_or_steps() -> None:
+    with pytest.raises(ValueError, match="N >= 3"):
+        draw_host_join_run(0, random.Random(0), 30, 2)
+    with pytest.raises(ValueError, match="--steps >= 20"):
+        draw_host_join_run(0, random.Random(0), 10, 3)
