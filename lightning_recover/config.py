@@ -270,8 +270,9 @@ class RecoverConfig:
             job spawns replacements (the same interpreter and argv) up to the replica count
             it started with; they receive the live state and take work back. Off by default.
         rejoin_hosts: comma-separated hosts the replacements are placed on (Open MPI's
-            ``host`` spawn key, ``host:slots`` allowed); None = wherever the launch has
-            room, oversubscribing the launch's hosts.
+            ``host`` spawn key, ``host:slots`` allowed); None = the placement rule of
+            :mod:`lightning_recover.membership.placement` (the launcher's spare hosts, then
+            its hosts with free slots, else the launch's hosts oversubscribed).
         rejoin_attempts: spawn attempts per lost replica before the job carries on without.
         rejoin_backoff_s: wait after a failed attempt before the next (doubling each time).
         rejoin_timeout_s: a replacement not ready to join this long after its spawn was

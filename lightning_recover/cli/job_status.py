@@ -174,9 +174,10 @@ def final_words(markers: JobMarkers, nprocs: int, status: int) -> tuple[int, str
             "with half the replicas, the leader's among them) and no rank finished; relaunch from the newest "
             f"checkpoint (ckpt_path=last), or let `lightning-recover launch --supervise` do it. Exit status {NO_QUORUM_STATUS}"
         )
-    if markers.no_quorum and markers.finished and status == NO_QUORUM_STATUS:
-        # A cut that healed (a flapping link): the side that stopped could reach mpiexec again and
-        # hand it its status 75, yet the last world finished every step: the job succeeded.
+    if markers.no_quorum and markers.finished and status != 0:
+        # The side that stopped handed mpiexec its status 75 (a cut that healed), or mpiexec lost
+        # that side's daemon behind the cut (seen: 250); either way the last world finished every
+        # step: the job succeeded.
         return 0, (
             f"note: {_rank_list(sorted(markers.no_quorum))} stopped for want of a quorum while cut off; "
             "the last world went on without them and finished"

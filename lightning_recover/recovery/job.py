@@ -290,7 +290,8 @@ class RecoveryJob:
                 self.recruiter.tend(training=False)
                 if c.rejoin_standbys and c.rejoin_standbys_wait_s:
                     self.recruiter.await_warm(c.rejoin_standbys_wait_s)
-                    self.comm.barrier()
+                    # A rank lost while the others wait here is repaired like one lost in a step.
+                    engine.run_collective(self.comm.barrier)
 
     def _make_recruiter(self) -> Recruiter:
         assert self.comm is not None and self.layout is not None

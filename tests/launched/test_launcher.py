@@ -319,6 +319,8 @@ def test_a_side_that_stopped_behind_a_healed_cut_does_not_fail_a_job_that_finish
     status, words = final_words(_markers(tmp_path, files), 2, 75)
     assert status == 0
     assert words == "note: rank 1 stopped for want of a quorum while cut off; the last world went on without them and finished"
+    # A cut that never healed: mpiexec lost the cut-off host's daemon and says 250 -- the job still finished.
+    assert final_words(_markers(tmp_path, files), 2, 250)[0] == 0
     # Without the last world's done marker the job did not finish: mpiexec's status stays.
     (tmp_path / "done.0").unlink()
     assert final_words(JobMarkers.read(str(tmp_path)), 2, 75)[0] == 75
