@@ -77,6 +77,25 @@ relaunch runs without faults. Each run's outcome is predicted with the no-split-
 * a host lost with its daemon: Open MPI 5.0.x aborts the whole job; the supervisor names
   the lost host and relaunches on the others.
 
+With ``--hosts N --joins`` (N >= 3, ``--steps`` >= 20; ``--standbys K`` too) re-join is on
+and the job fills hosts 0 and 1, leaving host 2 spare: the launcher names it in
+``LIGHTNING_RECOVER_SPARE_HOSTS`` and replacements (and standbys) are placed there
+(:mod:`lightning_recover.membership.placement`). Each run
+(:func:`lightning_recover.testing.chaos.draw_host_join_run`) loses host 1's replicas early
+(all its ranks killed, frozen, cut off, or lost with the daemon; on one-slot hosts also its
+lone rank SIGSTOPped, with no watchdog beside it), faults the first re-join attempt in about
+half the runs (the replacement killed, or the spare host's ranks killed, frozen -- during
+the state transfer too --, cut off or lost while the replacement starts, is fed the state or
+has just joined), and in about 40% loses the spare host again late in the run (two host
+faults in one run). The summary counts each of these draw kinds when it fired. Verdicts are
+those below (exact ledger in every attempt, no split brain, bounded end with status 0), with
+the last world held to contain the head host's replicas (the lost ones may be back). A
+relaunch is accepted where a host was lost with its daemon, an agreement never returned
+(bounded), or -- new with re-join -- a replacement was frozen or cut off with its host: Open
+MPI's heartbeat detector watches only the launch's own world (a ring over MPI_COMM_WORLD),
+never a spawn's, so nobody declares such a replacement dead and the supervisor's stall
+timeout ends the job and relaunches it (``relaunched by the supervisor`` names the cause).
+
 Draws left out on purpose, and why: the head host is never a victim (losing it loses the
 job on any cluster); a cut where the rule lets the cut-off side go on instead of the
 head's (legal, but the cut-off side's daemon then answers to an mpiexec it cannot reach:
