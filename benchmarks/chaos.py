@@ -736,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--runs must be >= 1, got {args.runs}")
     if args.standbys and not args.joins:
         ap.error("--standbys needs --joins (standbys serve re-joins)")
-    if args.joins and args.steps < 30:
+    if args.joins and not args.hosts and args.steps < 30:
         ap.error(f"--joins needs --steps >= 30 (a replacement takes seconds to start), got {args.steps}")
     if args.hosts:
         if args.hosts < 2:
@@ -745,8 +745,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--hosts needs --steps >= 3 (a step before the host fault and one after), got {args.steps}")
         if args.stuck or args.corrupt or args.terms:
             ap.error("--hosts does not combine with --stuck, --corrupt or --terms (their campaigns run on one machine)")
-        if args.joins and args.hosts < 3:
-            ap.error(f"--hosts N --joins needs N >= 3 (the job on two hosts, a spare host for the replacements), got {args.hosts}")
+        if args.joins and (args.hosts < 3 or args.steps < 20):
+            ap.error(f"--hosts N --joins needs N >= 3 (the job on two hosts, a spare host for the replacements) and --steps >= 20 "
+                     f"(a replacement takes seconds to start), got --hosts {args.hosts} --steps {args.steps}")
         if not 0 <= args.two_host_faults <= 1:
             ap.error(f"--two-host-faults must be a fraction in [0, 1], got {args.two_host_faults}")
         outcomes = host_campaign(
