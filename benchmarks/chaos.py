@@ -99,8 +99,9 @@ timeout ends the job and relaunches it (``relaunched by the supervisor`` names t
 Draws left out on purpose, and why: the head host is never a victim (losing it loses the
 job on any cluster); a cut where the rule lets the cut-off side go on instead of the
 head's (legal, but the cut-off side's daemon then answers to an mpiexec it cannot reach:
-no launcher can report that world's end); and a rank SIGSTOPped alone on its host (no
-watchdog beside it): left to Open MPI's detector, one survivor learnt of the failure and
+no launcher can report that world's end); and, without ``--joins``, a rank SIGSTOPped alone
+on its host (no watchdog beside it; ``--hosts N --joins`` draws it on one-slot hosts, in a
+world of two ranks): left to Open MPI's detector, one survivor learnt of the failure and
 another never did ("ranks known dead: not yet known"), no repair began, and the job hung
 until it was killed -- seen 3 times here (the leader alone on the head host twice, 120 s
 and 150 s, ``LIGHTNING_RECOVER_REPAIR_TIMEOUT=40`` not ending it, so before the repair;
