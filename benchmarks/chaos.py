@@ -549,7 +549,7 @@ def execute_on_hosts(
                 out.violations.append("the rule stops the head's side after the host loss, yet the job finished without a relaunch")
             elif frozenset(last) not in pred.final:
                 out.violations.append(f"the last world is {sorted(last)}, the rule predicts {sorted(pred.final[0])}")
-        elif victim is not None and not any(f"lost host(s): {victim}" in line for line in reasons[:1]):
+        elif victim is not None and not any(victim in _named_lost(line) for line in reasons[:1]):
             out.violations.append(f"the supervisor's relaunch does not name the lost host {victim}: {reasons[:1]}")
     elif pred.proceeds:
         if out.relaunches:
@@ -620,6 +620,12 @@ def execute_on_hosts(
     out.recovered = sum(1 for replicas in handled if replicas <= lost | last or (out.relaunches and not out.violations))
     out.pauses = [p for lg in ledgers for line in lg for p in line.get("pauses_s", [])]
     return out
+
+
+def _named_lost(line: str) -> set[str]:
+    """The hosts a supervisor line names as lost (``lost host(s): A, B;``): a run may lose two."""
+    _, found, rest = line.partition("lost host(s): ")
+    return {h.strip() for h in rest.split(";", 1)[0].split(",")} if found else set()
 
 
 def _unwatched_stall(run: ChaosRun, harness: Any, log_text: str, reasons: list[str]) -> bool:
