@@ -52,6 +52,7 @@ makes the drop prompt.) After admission the script's exit is the script's.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import json
@@ -253,7 +254,9 @@ def _merge_with_parent(refusal: str) -> Any:
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     handshake.say_hello(merged)
     milestones.mark("merged")
-    threading.Thread(target=_keep_alive, args=(MPI.COMM_SELF,), name="lightning-recover-keep-alive", daemon=True).start()
+    # Nobody sends on COMM_SELF: the probe only enters MPI's progress engine.
+    probe = functools.partial(MPI.COMM_SELF.Iprobe, MPI.ANY_SOURCE, MPI.ANY_TAG)
+    threading.Thread(target=_keep_alive, args=(probe,), name="lightning-recover-keep-alive", daemon=True).start()
     return merged
 
 
@@ -261,17 +264,15 @@ def _merge_with_parent(refusal: str) -> Any:
 KEEP_ALIVE_S = 0.25
 
 
-def _keep_alive(comm: Any) -> None:
+def _keep_alive(probe: Callable[[], object]) -> None:
     """Enter MPI's progress engine every :data:`KEEP_ALIVE_S` until admitted. This process imports torch
     and Lightning and runs the script's set-up for seconds after MPI started, without an MPI call;
     Open MPI's heartbeat detector without its thread (on fake hosts, or ``--mpi-detector``) sends
     heartbeats only from inside MPI calls, so a replacement would be declared dead (and aborted by
     Open MPI) while it imports. Once admitted, training's collectives make the progress."""
-    from mpi4py import MPI
-
     while not is_admitted():
         try:
-            comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)  # nobody sends on COMM_SELF: only the progress matters
+            probe()
         except Exception:  # MPI is being torn down as this process leaves: nothing to keep alive
             return
         time.sleep(KEEP_ALIVE_S)

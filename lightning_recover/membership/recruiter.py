@@ -90,7 +90,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lightning_recover.membership.handshake import ABORT, GO, TAG_DECISION, TAG_HELLO, TAG_READY, TAG_SEAT, host_checksum
-from lightning_recover.membership.placement import spawn_placement
+from lightning_recover.membership.placement import SpawnPlacement, spawn_placement
 from lightning_recover.membership.seat import Seat
 from lightning_recover.membership.standby import Standby, WarmStandbys
 from lightning_recover.runtime import lifecycle
@@ -298,7 +298,8 @@ class Recruiter(WarmStandbys):
         )
         if self.comm.is_leader:
             print(
-                f"[lightning-recover] re-join attempt {att.number}: spawning {len(ranks)} rank(s) for replica(s) {list(replicas)}",
+                f"[lightning-recover] re-join attempt {att.number}: spawning {len(ranks)} rank(s) for replica(s) {list(replicas)} "
+                f"{self._placement().describe()}",
                 file=sys.stderr, flush=True,
             )
 
@@ -318,13 +319,16 @@ class Recruiter(WarmStandbys):
         """What a seat carries (:attr:`Seat.context`): the survivors' context, and when they lost the replica."""
         return {**self.context(), "lost_at": self.lost_at}
 
+    def _placement(self) -> SpawnPlacement:
+        return spawn_placement(self.hosts, os.environ.get(ENV_SPARE_HOSTS), self.failures_in_a_row)
+
     def _spawn_info(self) -> Any:
         """Where spawned processes go, cold replacements and standbys alike (:mod:`~lightning_recover.membership.placement`)."""
         MPI = _mpi()
         info = MPI.Info.Create()
         info.Set("wdir", os.getcwd())
         info.Set("bind_to", "none")
-        where = spawn_placement(self.hosts, os.environ.get(ENV_SPARE_HOSTS), self.failures_in_a_row)
+        where = self._placement()
         if where.host:
             info.Set("host", where.host)
         if where.oversubscribe:

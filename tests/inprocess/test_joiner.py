@@ -89,3 +89,33 @@ def test_standby_wait_is_validated_naming_the_value_and_the_fix() -> None:
     for bad in (-1, float("nan"), float("inf"), "10", True):
         with pytest.raises(ConfigurationError, match=r"rejoin_standbys_wait_s.*set recover.rejoin_standbys_wait_s"):
             RecoverConfig(rejoin_standbys_wait_s=bad)
+
+
+def test_a_replacement_keeps_mpi_progress_until_it_is_admitted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Open MPI's heartbeat detector (without its thread) hears from a process only inside MPI calls: a
+    # replacement importing torch for seconds would be declared dead. The keep-alive probes until admitted.
+    import threading
+
+    admitted = threading.Event()
+    probes: list[int] = []
+
+    def probe() -> bool:
+        probes.append(1)
+        if len(probes) == 3:
+            admitted.set()
+        return False
+
+    monkeypatch.setattr(joiner, "is_admitted", admitted.is_set)
+    monkeypatch.setattr(joiner, "KEEP_ALIVE_S", 0.01)
+    t = threading.Thread(target=joiner._keep_alive, args=(probe,), daemon=True)
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive() and len(probes) == 3
+
+
+def test_the_keep_alive_stops_quietly_when_mpi_goes_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    def gone() -> bool:
+        raise RuntimeError("MPI finalized")
+
+    monkeypatch.setattr(joiner, "is_admitted", lambda: False)
+    joiner._keep_alive(gone)  # returns instead of raising in a daemon thread

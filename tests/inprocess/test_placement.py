@@ -49,3 +49,8 @@ def test_the_launcher_exports_free_hosts_only_when_it_places_the_job() -> None:
     assert ENV_SPARE_HOSTS not in _with_spare_hosts({}, hosts, 6)
     assert ENV_SPARE_HOSTS not in _with_spare_hosts({}, None, 2)
     assert _with_spare_hosts({ENV_SPARE_HOSTS: "z:1"}, hosts, 3)[ENV_SPARE_HOSTS] == "z:1"
+
+
+def test_the_leader_says_where_a_replacement_goes() -> None:
+    assert spawn_placement(None, "c:1", 0).describe() == "on c:1"
+    assert spawn_placement(None, None, 0).describe() == "on the launch's hosts (oversubscribed)"
