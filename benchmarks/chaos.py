@@ -554,7 +554,7 @@ def execute_on_hosts(
     elif pred.proceeds:
         if out.relaunches:
             out.bounded = bool(bounded)
-            out.unwatched = bool(pred.rejoin and not bounded and _unwatched_stall(run, harness, log_text, reasons))
+            out.unwatched = bool(pred.rejoin and not bounded and _unwatched_stall(run, harness, reasons))
             if not bounded and not out.unwatched:
                 # In place was possible; only an agreement the MPI never returned from may end it, or (with
                 # re-join) a silent fault of a replacement, which no failure detector watches.
@@ -628,7 +628,7 @@ def _named_lost(line: str) -> set[str]:
     return {h.strip() for h in rest.split(";", 1)[0].split(",")} if found else set()
 
 
-def _unwatched_stall(run: ChaosRun, harness: Any, log_text: str, reasons: list[str]) -> bool:
+def _unwatched_stall(run: ChaosRun, harness: Any, reasons: list[str]) -> bool:
     """The first attempt ended by the stall timeout after a replacement (a spawned process) was frozen or cut
     off with its host: Open MPI's heartbeat detector watches the ranks of the launch's own world only
     (a ring over MPI_COMM_WORLD), never a spawn's, so nobody declares such a replacement dead and the
