@@ -173,7 +173,14 @@ def admit(job: RecoveryJob, attempt: JoinAttempt, *, dump: Callable[[], dict[str
     job.host.on_membership()
     lost_at = job.recruiter.lost_at
     since = "" if lost_at is None else f"; {time.time() - lost_at:.2f} s after the loss"
-    if job.global_rank == 0:
+    if job.global_rank == 0 and not joins:
+        # Every replacement of the attempt died while the state reached it: the repair has said so; no join to report.
+        print(
+            f"[lightning-recover] world epoch {comm.world_epoch}: re-join attempt {attempt.number} lost its replacement(s) "
+            f"of replica(s) {list(attempt.replicas)} during the state transfer; alive {list(comm.alive_replicas)}",
+            file=sys.stderr, flush=True,
+        )
+    elif job.global_rank == 0:
         print(
             f"[lightning-recover] world epoch {comm.world_epoch}: replica(s) {[j.replica for j in joins]} re-joined "
             f"(state transfer {done - grown:.2f} s, survivors paused {done - started:.2f} s{since}); alive {list(comm.alive_replicas)}",

@@ -68,18 +68,19 @@ def test_terms_replace_only_some_kills(seed: int, steps: int) -> None:
 
 @pytest.mark.mpi
 def test_short_campaign_has_no_violation(tmp_path: Path) -> None:
-    # With --stuck, seed 1043 draws 3 SIGSTOPs and 1 rank spinning in compute among 20 faults in 7
-    # runs over 4 topologies (2x2, 4x1, 4x1 with a spare, 5x1 with a spare); with --terms some
-    # of its kills are SIGTERMs, in the same runs, so SIGKILLs and SIGTERMs meet in one step.
+    # With --stuck and --terms, seed 638 draws 3 runs over 3 topologies: a 2x2 with a SIGSTOP in a
+    # reduction; a 5x1 with a spare (T=4) where a SIGTERM, a SIGKILL, a SIGSTOP and a rank spinning
+    # in compute meet in one step; a 4x1 with a spare (T=3) losing two ranks in step 0 and one by
+    # SIGTERM in step 1.
     cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--runs", "7", "--seed", "1043", "--steps", "2", "--stuck",
+        sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--runs", "3", "--seed", "638", "--steps", "2", "--stuck",
         "--terms", "--out", str(tmp_path),
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     print(res.stdout)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     lines = res.stdout.splitlines()
-    assert lines[-1].startswith("chaos: OK: 7 runs, 0 with violations")
+    assert lines[-1].startswith("chaos: OK: 3 runs, 0 with violations")
     assert sum(" stuck -> " in line or " stuck, " in line for line in lines) == 1, "the draw should hold one stuck fault"
     assert any(" term" in line and " kill" in line for line in lines if line.startswith("[")), "a run should mix SIGTERM and SIGKILL"
     table = dict(line.split("  ", 1) for line in lines if not line.startswith(("[", "chaos:")))
@@ -90,6 +91,29 @@ def test_short_campaign_has_no_violation(tmp_path: Path) -> None:
     # Every rank checked for silent data corruption after every step: no false positive.
     assert int(table["corruption checks (all ranks)"]) > 0 and table["sdc false positives"] == "0", table
 
+
+
+@pytest.mark.mpi
+def test_short_join_campaign_has_no_violation(tmp_path: Path) -> None:
+    # Re-join on: seed 1171 draws a 3x1 job that loses its leader (rank 0) in step 0's reduction and
+    # kills rank 0's first replacement while the live state reaches it (join_transfer): that attempt
+    # is dropped, the next seats the replica again, and the ledger stays exact.
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--joins", "--runs", "1", "--seed", "1171", "--steps", "30",
+           "--out", str(tmp_path)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    print(res.stdout)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    lines = res.stdout.splitlines()
+    assert lines[-1].startswith("chaos: OK: 1 runs, 0 with violations"), lines[-1]
+    run = next(line for line in lines if line.startswith("[1/1]"))
+    assert run.startswith("[1/1] 3x1") and "rejoin" in run and "s1 r0 join_transfer kill" in run, run
+    table = {k.strip(): v.strip() for k, v in (line.split("  ", 1) for line in lines if not line.startswith(("[", "chaos:")))}
+    assert table["violations"] == "0" and table["hangs"] == "0", table
+    assert int(table["recovered"]) == int(table["faults injected (fired)"]) == 1, table  # (a replacement's fault is not counted here)
+    log = (tmp_path / "run0000" / "job.log").read_text()
+    assert "re-join attempt 1 lost its replacement(s) of replica(s) [0] during the state transfer" in log, log[-4000:]
+    assert "replica(s) [] re-joined" not in log and "re-join attempt 2: spawning 1 rank(s) for replica(s) [0]" in log, log[-4000:]
+    assert "replica(s) [0] re-joined" in log and "alive [0, 1, 2]" in log, log[-4000:]
 
 # ---------------------------------------------------------------------- runs on fake hosts (--hosts N)
 @settings(max_examples=300, deadline=None)

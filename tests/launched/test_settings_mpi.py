@@ -4,9 +4,14 @@
 keywords, nested groups from YAML through Hydra's ``instantiate`` (a bare TypeError before),
 DictConfig / ListConfig values, ``config=`` given a dict (an AttributeError before) or a
 DictConfig, and a Trainer setting the strategy refuses with ``strategy="recover_hsdp"`` (after
-MPI is up). Each job runs on 2 ranks under ``lightning-recover launch``; all start at once
-(they mostly wait on imports). The test asserts what the user reads: exit status 2, one
-line holding the key, no traceback, no line about ranks that outlived mpiexec.
+MPI is up). The test asserts what the user reads: exit status 2, one line holding the key, no
+traceback, no line about ranks that outlived mpiexec.
+
+Every case refused by the strategy's constructor takes one path to the user (a
+ConfigurationError, the refusal's one line, status 2): a keyword and a Hydra group run as
+launched jobs on 2 ranks under ``lightning-recover launch`` (all at once: they mostly wait on
+imports), the other constructor cases check their line in-process, through the same script
+function; the Trainer setting refused after MPI is up is launched too.
 """
 
 from __future__ import annotations
@@ -18,7 +23,6 @@ import pytest
 
 from harness.mpirun import MPIJob, run_mpi
 
-pytestmark = pytest.mark.mpi
 SCRIPT = "tests/workers/settings_script.py"
 PREFIX = "[lightning-recover] configuration error: "
 
@@ -36,16 +40,21 @@ CASES: dict[str, str] = {
 }
 
 
+#: The cases launched: one per path a refusal takes to the user (the rest: in-process, below).
+LAUNCHED = ("keyword_unknown", "nested_sdc", "strategy_string")
+
+
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, MPIJob]:
     tmp = tmp_path_factory.mktemp("settings")
-    names = [*CASES, "good"]
+    names = [*LAUNCHED, "good"]
     with ThreadPoolExecutor(len(names)) as pool:
         futures = {name: pool.submit(run_mpi, 2, [SCRIPT, "--case", name], tmp / name, timeout=300) for name in names}
         return {name: f.result() for name, f in futures.items()}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", LAUNCHED)
 def test_a_bad_setting_is_one_line_and_exit_status_2(jobs: dict[str, MPIJob], case: str) -> None:
     job = jobs[case]
     assert job.returncode == 2, job.describe()
@@ -58,6 +67,23 @@ def test_a_bad_setting_is_one_line_and_exit_status_2(jobs: dict[str, MPIJob], ca
     assert "trained" not in job.stdout, job.describe()
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c not in LAUNCHED])
+def test_every_other_bad_setting_names_its_key_and_fix(case: str, tmp_path: Path) -> None:
+    # What the launched ranks print: the refusal's line for the ConfigurationError the script raised
+    # (through Hydra's InstantiationException for a YAML group), as the refusal hook finds it.
+    from settings_script import strategy_for
+
+    from lightning_recover.runtime.refusal import configuration_error, refusal_line
+
+    with pytest.raises(Exception) as info:
+        strategy_for(case, str(tmp_path))
+    error = configuration_error(info.value)
+    assert error is not None, info.value
+    line = refusal_line(error)
+    assert line.startswith(PREFIX) and CASES[case] in line and "\n" not in line, line
+
+
+@pytest.mark.mpi
 def test_nested_groups_from_yaml_are_accepted(jobs: dict[str, MPIJob]) -> None:
     job = jobs["good"]
     assert job.returncode == 0, job.describe()
