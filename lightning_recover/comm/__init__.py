@@ -11,7 +11,9 @@
   data_plane     the data-plane contract and the bucket reductions over MPI, fault-aware
   torch_plane    the bucket reductions over torch.distributed (gloo, NCCL), watched by ULFM
   collectives    the communicator's reductions, broadcasts and gathers
+  lobby          salvage: the shrunk communicator an orphan keeps, and Orphaned
   communicator   FaultTolerantComm: membership (world epochs, agreement, repair, grow)
+  orphans        salvage: the survivors seat orphans as a re-formed replica, the orphans' side of it
   process_group  the "ulfm" torch.distributed group over the communicator (strategy.replica_group)
   replica_plane  the replica-local collectives over MPI (all-gather, reduce-scatter)
 

@@ -76,6 +76,7 @@ from lightning_recover.comm import mpi_wait, netaddr, quorum
 from lightning_recover.comm.collectives import Collectives
 from lightning_recover.comm.data_plane import DATA_PLANES, DataPlane, FailedPlane, MPIDataPlane
 from lightning_recover.comm.interface import PeerFailure, RepairResult
+from lightning_recover.comm.lobby import Lobby, Orphaned
 from lightning_recover.comm.repair_bound import RepairBound, repair_timeout
 from lightning_recover.comm.topology import RankLayout
 from lightning_recover.comm.ulfm import (
@@ -137,6 +138,8 @@ class FaultTolerantComm(Collectives):
         self.alive_replicas = tuple(range(layout.replicas))
         rows = self.world.allgather((_this_process(), mpi_wait.local_choice(), mpi_wait.reach()))
         self._procs = {r: proc for r, (proc, _, _) in enumerate(rows)}
+        self.launch_rank = base.Get_rank()
+        self._launch_ranks = {r: r for r in range(base.Get_size())}
         # The first rank's process names this launch: unique, and known to every rank.
         self.job_id = ":".join(str(part) for part in rows[0][0])
         mpi_wait.agree((polite for _, polite, _ in rows), (reach for *_, reach in rows))
@@ -179,6 +182,14 @@ class FaultTolerantComm(Collectives):
         self._fences: list[WorldFence] = []
         #: Called with a point name ("repair:shrunk", ...) -- the hook fault injection uses.
         self.fault_hook: Callable[[str], None] | None = None
+        #: ``recover.salvage``: a live rank of a broken replica waits as an orphan instead of leaving (comm/orphans.py).
+        self.salvage = False
+        #: This process's rank in the launch's MPI_COMM_WORLD; -1 for a spawned replacement (never an orphan).
+        self.launch_rank = -1
+        # logical rank -> launch rank, for the members that are the launch's own processes.
+        self._launch_ranks: dict[int, int] = {}
+        #: The survivors' lobbies whose orphans still wait (comm/orphans.py).
+        self.lobbies: list[Lobby] = []
 
     @classmethod
     def joiner(
@@ -230,7 +241,9 @@ class FaultTolerantComm(Collectives):
         ok = 1
         try:
             # A survivor offers the world's wait, a joiner its own: all adopt the same (mpi_wait).
-            rows = merged.allgather((self.rank, self.world_epoch, _this_process(), mpi_wait.polite(), self.job_id, mpi_wait.reach()))
+            rows = merged.allgather(
+                (self.rank, self.world_epoch, _this_process(), mpi_wait.polite(), self.job_id, mpi_wait.reach(), self.launch_rank)
+            )
             shard = merged.Split(self.shard, self.replica)
         except MPI.Exception:
             ok = 0
@@ -247,7 +260,12 @@ class FaultTolerantComm(Collectives):
         self._base_group = merged.Get_group()
         self._ids = tuple(r for r, *_ in rows)
         self._procs.update({r: proc for r, _, proc, *_ in rows})
-        mpi_wait.agree((polite for _, _, _, polite, *_ in rows), (reach for *_, reach in rows))
+        for r, *_, launch in rows:
+            if launch >= 0:
+                self._launch_ranks[r] = launch
+            else:
+                self._launch_ranks.pop(r, None)
+        mpi_wait.agree((polite for _, _, _, polite, *_ in rows), (reach for *_, reach, _ in rows))
         self.world_epoch = max(e for _, e, *_ in rows) + 1
         self.job_id = rows[0][4]  # a survivor's: the joiners come after them
         self.alive_replicas = tuple(self.layout.complete_replicas(self._ids))
@@ -333,15 +351,19 @@ class FaultTolerantComm(Collectives):
         return comm
 
     # ------------------------------------------------------------------ data plane
+    def _close_planes(self) -> None:
+        for old in (self.data_plane, self._world_plane):
+            if old is not None:
+                old.close()
+        self.data_plane = self._world_plane = None
+
     def _open_plane(self) -> None:
         """Close the previous world epoch's data plane and build this one's (collective over the world).
 
         For gloo/NCCL the leader hosts a fresh ``TCPStore`` and broadcasts its address; a
         peer failure in that broadcast leaves a :class:`FailedPlane`, which raises it at the
         epoch's first bucket, where the step's recovery handles it like any other."""
-        for old in (self.data_plane, self._world_plane):
-            if old is not None:
-                old.close()
+        self._close_planes()
         self._world_plane = MPIDataPlane(self.world, self._fail, self.world_epoch)
         kind, size = self.data_plane_kind, self.shard_comm.Get_size()
         if kind == "mpi":
@@ -433,8 +455,36 @@ class FaultTolerantComm(Collectives):
         """Leave through the replica-consistency gate if any of ``dead_ranks`` is in this rank's replica."""
         mates = set(self.layout.ranks_of_replica(self.replica)) - {self.rank}
         lost = sorted(mates.intersection(dead_ranks))
-        if lost:
+        if lost and not self.may_be_orphaned:
             self.gate_exit(f"{reason}: replica {self.replica} lost rank(s) {lost}")
+        # With salvage the rank goes on into the repair, where it becomes an orphan.
+
+    @property
+    def may_be_orphaned(self) -> bool:
+        """Salvage is on and this is a process of the launch (its mates can name it in the launch's group)."""
+        return self.salvage and self.launch_rank >= 0
+
+    def lobby_of(self, orphan: int) -> Lobby:
+        return next(lobby for lobby in self.lobbies if orphan in lobby.orphans)
+
+    def launch_rank_of(self, rank: int) -> int:
+        return self._launch_ranks[rank]
+
+    def orphan_host(self, orphan: int) -> str:
+        return self._procs[orphan][0]
+
+    def forget_orphans(self, orphans: Sequence[int]) -> None:
+        """Seated or gone: drop them from the lobbies, and free a lobby none waits on."""
+        for lobby in list(self.lobbies):
+            lobby.orphans = [r for r in lobby.orphans if r not in orphans]
+            if not lobby.orphans:
+                self.lobbies.remove(lobby)
+
+    def take_seat(self, rank: int) -> None:
+        """An orphan seated as logical rank ``rank`` (of the re-formed replica): it grows in as that rank."""
+        self.rank = rank
+        self.replica = self.layout.replica_of(rank)
+        self.shard = self.layout.shard_of(rank)
 
     def gate_exit(self, reason: str) -> NoReturn:
         """:func:`lightning_recover.runtime.lifecycle.gate_exit` for this rank."""
@@ -525,9 +575,16 @@ class FaultTolerantComm(Collectives):
             verdict = self._quorum(before, present, keep, leader)
             if not verdict.proceed:
                 self.quorum_exit(f"world epoch {self.world_epoch} -> {self.world_epoch + 1}: {verdict.reason}")
+            lobby = self._lobby(shrunk, present, keep) if self.salvage else None
             if not mine_ok:
                 dead = sorted(set(self.layout.ranks_of_replica(self.replica)) - set(present))
+                if lobby is not None and self.may_be_orphaned:
+                    self.world = self.shard_comm = None  # type: ignore[assignment]
+                    self._close_planes()
+                    raise Orphaned(lobby, dead, f"replica {self.replica} lost rank(s) {dead}: rank {self.rank} waits as an orphan")
                 self.gate_exit(f"replica {self.replica} lost rank(s) {dead} (seen while repairing)")
+            if lobby is not None:
+                self.lobbies.append(lobby)
             assert world is not None and shard is not None
             world.Set_errhandler(MPI.ERRORS_RETURN)
             shard.Set_errhandler(MPI.ERRORS_RETURN)
@@ -544,6 +601,11 @@ class FaultTolerantComm(Collectives):
             self._open_plane()
             return RepairResult(self.world_epoch, lost, lost_replicas, self.alive_replicas, time.perf_counter() - t0, rounds)
         raise RuntimeError(f"repair did not converge in {max_rounds} rounds; the job cannot continue")
+
+    def _lobby(self, shrunk: MPI.Intracomm, present: Sequence[int], keep: set[int]) -> Lobby | None:
+        """Salvage: the lobby of this repair's orphans -- the live launch ranks of broken replicas -- if any."""
+        orphans = [r for r in present if self.layout.replica_of(r) not in keep and r in self._launch_ranks]
+        return Lobby(shrunk, orphans, tuple(present), self.world_epoch + 1) if orphans else None
 
     def _quorum(self, before: set[int], present: Sequence[int], keep: set[int], leader: int) -> quorum.QuorumVerdict:
         """May this side of the failure continue? Every survivor computes the same verdict

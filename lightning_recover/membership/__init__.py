@@ -3,6 +3,7 @@
   recruiter   the survivors' side: join attempts started, admitted or dropped at step boundaries
   standby     the leader's warm standbys: spawned ahead of a loss, seated on a lost replica
   placement   where replacements and standbys go: the user's hosts, the launcher's spare hosts, or oversubscribed
+  salvage     which orphans (live ranks of broken replicas) re-form which lost replicas (pure)
   handshake   the messages between survivors and a replacement, and the replacement's half of them
   transfer    the state transfer: the donor replica's checkpoint, shard by shard, to the replacements
   seat        a replacement's seat: the logical ranks it takes over, the job settings it carries

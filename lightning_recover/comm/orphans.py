@@ -1,0 +1,126 @@
+"""Salvage over ULFM: a broken replica's live ranks wait as orphans and are seated again as a whole replica.
+
+The repair (:meth:`~lightning_recover.comm.communicator.FaultTolerantComm.repair`) shrinks the
+world to its live ranks and keeps only whole replicas. With salvage on, a live rank of a broken
+replica does not leave through the gate: it keeps the shrunk communicator as its *lobby* and
+raises :class:`~lightning_recover.comm.lobby.Orphaned`. The survivors keep the same lobby with its orphans' ranks
+(``FaultTolerantComm.lobbies``). Later, at a step boundary, the survivors seat a re-formed
+replica (:func:`lightning_recover.membership.salvage.plan_reformations`)::
+
+    SEAT     the leader opens a port and sends each orphan of the re-formation its seat on its
+             lobby (JSON: its new logical rank, the launch ranks of the re-formation's members
+             by shard, the port): :func:`seat_orphans`
+    GROUP    the orphans build one communicator of their own with MPI_Comm_create_from_group
+             (MPI_Comm_create_group on MPI_COMM_WORLD fails once a rank of the world died)
+    MERGE    the survivors Accept on the port, the orphans Connect; both Merge (survivors
+             first) and grow the world (:meth:`~FaultTolerantComm.grow`): the replica is whole again
+
+An orphan only names its mates through the launch's world group, so only ranks of the
+launch's own processes become orphans (``FaultTolerantComm.launch_rank``); a replacement
+whose replica breaks leaves through the gate as before. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lightning_recover.comm.lobby import Lobby
+from lightning_recover.comm.ulfm import failure_classes, mpi
+
+if TYPE_CHECKING:
+    from lightning_recover.comm.communicator import FaultTolerantComm
+
+__all__ = ["OrphanSeat", "await_seat", "join_as_orphan", "seat_orphans"]
+
+#: The leader's seat message to an orphan, on its lobby.
+TAG_ORPHAN_SEAT = 7310
+#: How often a waiting orphan looks at its lobby (it sleeps in between: no core taken).
+ORPHAN_POLL_S = 0.01
+
+
+@dataclass(frozen=True)
+class OrphanSeat:
+    """What the leader tells an orphan: the logical rank it takes, its mates' launch ranks by shard, the port."""
+
+    rank: int
+    members: tuple[int, ...]
+    port: str
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"rank": self.rank, "members": list(self.members), "port": self.port}).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> OrphanSeat:
+        msg = json.loads(data.decode())
+        return cls(int(msg["rank"]), tuple(int(m) for m in msg["members"]), str(msg["port"]))
+
+
+def await_seat(lobby: Lobby, timeout_s: float) -> OrphanSeat | None:
+    """The orphan: sleep until a survivor sends a seat on the lobby, at most ``timeout_s``; None: no seat came."""
+    MPI = mpi()
+    status = MPI.Status()
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if lobby.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_ORPHAN_SEAT, status=status):
+                data = bytearray(status.Get_count(MPI.BYTE))
+                lobby.comm.Recv([data, MPI.BYTE], source=status.Get_source(), tag=TAG_ORPHAN_SEAT)
+                return OrphanSeat.from_bytes(bytes(data))
+        except MPI.Exception as exc:
+            if exc.Get_error_class() not in failure_classes():
+                raise
+            # A member of the lobby died since: acknowledge it, so that ANY_SOURCE is served again.
+            lobby.comm.Ack_failed()
+        time.sleep(ORPHAN_POLL_S)
+    return None
+
+
+def join_as_orphan(comm: FaultTolerantComm, seat: OrphanSeat) -> bool:
+    """The orphan, seated: build the re-formation's communicator, connect, merge and grow as ``seat.rank``."""
+    MPI = mpi()
+    group = MPI.COMM_WORLD.Get_group().Incl(list(seat.members))
+    tag = f"lightning-recover-orphans-{zlib.crc32(seat.port.encode()):08x}"
+    mates = MPI.Intracomm.Create_from_group(group, tag)
+    group.Free()
+    mates.Set_errhandler(MPI.ERRORS_RETURN)
+    try:
+        inter = mates.Connect(seat.port, root=0)
+        merged = inter.Merge(high=True)
+    except MPI.Exception:
+        return False
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    comm.take_seat(seat.rank)
+    return comm.grow(merged)
+
+
+def seat_orphans(comm: FaultTolerantComm, seats: Sequence[int], replica: int, deadline: float) -> bool:
+    """The survivors (collective over the world): seat the orphans ``seats`` (logical ranks, by shard) as
+    ``replica`` and grow the world with them. False on every survivor when it did not complete."""
+    MPI = mpi()
+    layout = comm.layout
+    members = tuple(comm.launch_rank_of(r) for r in seats)
+    port = MPI.Open_port() if comm.is_leader else ""
+    port = comm.world.bcast(port, root=0)
+    if comm.is_leader:
+        for shard, orphan in enumerate(seats):
+            lobby = comm.lobby_of(orphan)
+            data = np.frombuffer(OrphanSeat(layout.rank_of(replica, shard), members, port).to_bytes(), dtype=np.uint8).copy()
+            lobby.comm.Send([data, MPI.BYTE], dest=lobby.lobby_rank(orphan), tag=TAG_ORPHAN_SEAT)
+    dup = comm.duplicate_world()
+    merged = None
+    try:
+        merged = dup.Accept(port, root=0).Merge(high=False)
+    except MPI.Exception:
+        merged = None
+    finally:
+        if comm.is_leader:
+            MPI.Close_port(port)
+    comm.forget_orphans(seats)
+    return comm.grow(merged, deadline=deadline)

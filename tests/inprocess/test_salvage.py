@@ -1,0 +1,95 @@
+"""The salvage planner (membership/salvage.py): which orphans re-form which lost replicas, exhaustively."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_recover.membership.salvage import Orphan, plan_reformations
+
+HOSTS = ("a", "b", "c")
+
+
+@st.composite
+def situations(draw: st.DrawFn) -> tuple[list[Orphan], list[int], int]:
+    shards = draw(st.integers(1, 4))
+    replicas = draw(st.integers(1, 8))
+    ranks = draw(st.sets(st.integers(0, replicas * shards - 1), max_size=replicas * shards))
+    orphans = [Orphan(draw(st.integers(0, 5)), r, r % shards, draw(st.sampled_from(HOSTS))) for r in sorted(ranks)]
+    missing = sorted(draw(st.sets(st.integers(0, replicas - 1))))
+    return orphans, missing, shards
+
+
+@settings(max_examples=500, deadline=None)
+@given(situations(), st.booleans(), st.randoms(use_true_random=False))
+def test_a_plan_seats_lost_replicas_lowest_first_with_each_orphan_once(situation, spawn: bool, rnd: random.Random) -> None:
+    orphans, missing, shards = situation
+    plans = plan_reformations(orphans, missing, shards, spawn=spawn)
+    assert [p.replica for p in plans] == sorted(missing)[: len(plans)], "the lowest seats, each once, in order"
+    used = [o for p in plans for o in p.orphans]
+    assert len(used) == len(set(used)) and set(used) <= set(orphans)
+    for p in plans:
+        assert len(p.members) == shards and p.orphans, "every re-formation holds S ranks, at least one an orphan"
+        assert all(m is None or m.shard == s for s, m in enumerate(p.members)), "rank of shard s from an orphan of shard s"
+    # The order of the inputs does not matter: every survivor computes the same plan.
+    shuffled = orphans[:]
+    rnd.shuffle(shuffled)
+    assert plan_reformations(shuffled, reversed(missing), shards, spawn=spawn) == plans
+
+
+@settings(max_examples=500, deadline=None)
+@given(situations())
+def test_orphans_alone_form_as_many_whole_replicas_as_their_shards_allow_one_host_first(situation) -> None:
+    orphans, missing, shards = situation
+    plans = plan_reformations(orphans, missing, shards)
+    assert all(not p.spawned_shards for p in plans), "nothing is spawned with re-join off"
+    per_shard = Counter(o.shard for o in orphans)
+    assert len(plans) == min(len(missing), min(per_shard[s] for s in range(shards)))
+    # One host before several: as many single-host replicas as the hosts' own orphans allow.
+    on_one_host = sum(min(sum(o.host == h and o.shard == s for o in orphans) for s in range(shards)) for h in HOSTS)
+    assert sum(len(p.hosts) == 1 for p in plans) == min(len(missing), on_one_host)
+    single = [p for p in plans if len(p.hosts) == 1]
+    assert plans[: len(single)] == single, "single-host re-formations take the first seats"
+
+
+@settings(max_examples=500, deadline=None)
+@given(situations())
+def test_with_rejoin_every_seat_some_orphan_can_help_is_completed_by_spawning_only_the_missing_ranks(situation) -> None:
+    orphans, missing, shards = situation
+    alone = plan_reformations(orphans, missing, shards)
+    plans = plan_reformations(orphans, missing, shards, spawn=True)
+    assert plans[: len(alone)] == alone, "whole replicas from orphans come before spawned completions"
+    used = {o for p in plans for o in p.orphans}
+    assert len(plans) == len(missing) or used == set(orphans), "a seat is left only when no orphan is left"
+    for p in plans[len(alone):]:
+        assert len(p.hosts) == 1, "a completed replica takes its orphans from one host"
+        assert len(p.spawned_shards) == shards - len(p.orphans)
+
+
+def test_the_issue_example_two_broken_replicas_make_one_whole_replica() -> None:
+    # 3 replicas x 2 shards: replica 1 lost shard 0 (rank 2), replica 2 lost shard 1 (rank 5).
+    orphans = [Orphan(1, 3, 1, "a"), Orphan(2, 4, 0, "a")]
+    (plan,) = plan_reformations(orphans, [1, 2], 2)
+    assert plan.replica == 1 and plan.members == (orphans[1], orphans[0]) and plan.spawned_shards == ()
+    # With re-join on and one kill in a 2 x 2 job: one process is spawned, not two.
+    (plan,) = plan_reformations([Orphan(1, 3, 1, "a")], [1], 2, spawn=True)
+    assert plan.replica == 1 and plan.spawned_shards == (0,) and plan.orphans == (Orphan(1, 3, 1, "a"),)
+
+
+def test_the_longest_waiting_orphans_go_first() -> None:
+    old, new = Orphan(1, 5, 1, "a"), Orphan(4, 3, 1, "a")
+    (plan,) = plan_reformations([new, Orphan(2, 4, 0, "a"), old], [0], 2)
+    assert plan.members[1] == old
+
+
+def test_bad_inputs_name_the_value() -> None:
+    with pytest.raises(ValueError, match="shard 2, outside 0..1"):
+        plan_reformations([Orphan(0, 2, 2, "a")], [0], 2)
+    with pytest.raises(ValueError, match="shards must be >= 1, got 0"):
+        plan_reformations([], [0], 0)
+    with pytest.raises(ValueError, match="appears twice"):
+        plan_reformations([Orphan(0, 1, 1, "a"), Orphan(1, 1, 1, "a")], [0], 2)
