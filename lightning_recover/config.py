@@ -287,6 +287,11 @@ class RecoverConfig:
             standbys are warm, at most this long, so a loss in the first steps already finds
             one ready (a standby that dies or fails to spawn ends the wait for it). 0 = the
             first step starts at once and the standbys warm up beside the training.
+        salvage: the live ranks of a replica that lost a rank wait as *orphans* instead of
+            leaving; at a step boundary orphans whose shard indices complete one another are
+            seated again as a whole replica (no process spawned; docs/salvage.md). Off by
+            default (in progress: not yet proven by the chaos campaign).
+        salvage_wait_s: how long an orphan waits for its seat before it leaves.
         overlap: start each step's cross-replica reduction during its last backward,
             bucket by bucket as backward produces the gradients (:mod:`~.recovery.overlap`);
             recovery rounds stay synchronous. False = reduce after the last backward.
@@ -320,6 +325,8 @@ class RecoverConfig:
     rejoin_timeout_s: float = 120.0
     rejoin_standbys: int = 0
     rejoin_standbys_wait_s: float = 60.0
+    salvage: bool = False
+    salvage_wait_s: float = 300.0
     overlap: bool = True
     sync_every_microbatch: bool = False
     tensor_parallel: int = 1
@@ -379,7 +386,8 @@ class RecoverConfig:
             _set(self, "stuck_timeout_s", _number(
                 "stuck_timeout_s", self.stuck_timeout_s, stuck_fix, positive=False, finite=False, requirement=seconds
             ))
-        for key, what in (("overlap", "overlap the reduction with backward"), ("sync_every_microbatch", "reduce-scatter after every microbatch")):
+        for key, what in (("overlap", "overlap the reduction with backward"), ("sync_every_microbatch", "reduce-scatter after every microbatch"),
+                          ("salvage", "keep a broken replica's live ranks as orphans")):
             if not isinstance(getattr(self, key), bool):
                 raise _refuse(key, getattr(self, key), "true or false", f"set recover.{key}=true to {what}, false not to")
         if not isinstance(self.rejoin, bool):
@@ -394,8 +402,10 @@ class RecoverConfig:
             ("rejoin_timeout_s", "set recover.rejoin_timeout_s to the seconds a replacement may take to start"),
             ("rejoin_standbys_wait_s", "set recover.rejoin_standbys_wait_s to the seconds the first step may wait for "
                                        "the standbys to be warm (0 = not at all)"),
+            ("salvage_wait_s", "set recover.salvage_wait_s to the seconds an orphan waits for its seat"),
         ):
-            _set(self, key, _number(key, getattr(self, key), fix, positive=key == "rejoin_timeout_s", finite=True, requirement="a number of seconds"))
+            _set(self, key, _number(key, getattr(self, key), fix, positive=key in ("rejoin_timeout_s", "salvage_wait_s"),
+                                    finite=True, requirement="a number of seconds"))
         # A mapping (a dict, or OmegaConf's DictConfig when Hydra's instantiate builds this class) is the group's settings.
         _set(self, "sdc", _group("sdc", self.sdc, SDCConfig))
         _set(self, "checkpoint", _group("checkpoint", self.checkpoint, CheckpointConfig))

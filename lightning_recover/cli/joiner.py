@@ -56,47 +56,20 @@ import functools
 import importlib
 import importlib.util
 import json
-import math
 import os
-import runpy
-import signal
 import sys
 import sysconfig
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from lightning_recover.membership import handshake, milestones
 from lightning_recover.membership.admission_timer import disarm, is_admitted, leave_after
-from lightning_recover.membership.seat import Joining, Seat, _set_joining
+from lightning_recover.membership.replacement import job_environment, run_seat
+from lightning_recover.membership.seat import Seat
 from lightning_recover.runtime import lifecycle, priority
-
-
-#: Seconds past the timeout after which the kernel ends a replacement the timer thread could not.
-def job_environment(seat: Seat, child_rank: int) -> dict[str, str]:
-    """What the script of the ``child_rank``-th process of ``seat``'s spawn must find in its environment:
-    the survivors' job settings (:func:`lightning_recover.membership.seat.job_environ`) and the
-    launcher variables of the job's world, this process's being the logical rank it takes over."""
-    world = seat.context.get("world_size")
-    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        raise SystemExit(f"lightning_recover.cli.joiner: the seat has no job world size (context world_size={world!r}); "
-                         "the survivors run another version of lightning-recover: install one version on every node")
-    environ = {str(k): str(v) for k, v in dict(seat.context.get("environ", {})).items()}
-    environ.update({"OMPI_COMM_WORLD_SIZE": str(world), "OMPI_COMM_WORLD_RANK": str(seat.ranks[child_rank])})
-    return environ
-
-
-def _left_before_admission(rank: int, how: str) -> NoReturn:
-    """Leave as a process failure the survivors are told about (see the module docstring)."""
-    print(f"[lightning-recover] replacement for rank {rank}: {how} before it was admitted; leaving by SIGKILL",
-          file=sys.__stderr__, flush=True)
-    sys.stdout.flush()
-    time.sleep(lifecycle.OUTPUT_DRAIN_S)  # Open MPI drops the output of a process killed right after writing it
-    os.kill(os.getpid(), signal.SIGKILL)
-    raise AssertionError("unreachable: SIGKILL ends the process")  # for the type checker
 
 
 def _warm_up(script: str) -> list[str]:
@@ -193,40 +166,7 @@ def standby(spec_json: str, script_argv: list[str]) -> None:
     milestones.mark("seated")
     seat = Seat.from_json(str(msg["seat"]))
     leave_after(float(seat.context.get("timeout_s", 120.0)), f"standby {spec.get('number')}")
-    _run(seat, None, script_argv, link=link)
-
-
-def _run(seat: Seat, merged: object, script_argv: list[str], link: object = None) -> None:
-    """Run the user's script as the replacement of ``seat`` (merged now, or by connect() for a standby)."""
-    from mpi4py import MPI
-
-    children = MPI.COMM_WORLD.Dup()
-    children.Set_errhandler(MPI.ERRORS_RETURN)
-    joining = Joining(seat, children, merged, link)  # type: ignore[arg-type]
-    _set_joining(joining)
-    try:
-        os.environ.update(job_environment(seat, children.Get_rank()))
-    except SystemExit as exc:
-        print(exc, file=sys.__stderr__, flush=True)
-        _left_before_admission(joining.rank, "its seat could not be read")
-    sys.argv = script_argv
-    try:
-        runpy.run_path(script_argv[0], run_name="__main__")
-    except SystemExit as exc:
-        if is_admitted():
-            raise
-        code = exc.code if exc.code is not None else 0
-        if isinstance(code, str):  # sys.exit("message"): Python would print it and exit with status 1
-            print(code, file=sys.__stderr__, flush=True)
-            code = 1
-        _left_before_admission(joining.rank, f"the script exited (status {code})")
-    except BaseException:
-        if is_admitted():
-            raise
-        traceback.print_exc(file=sys.__stderr__)
-        _left_before_admission(joining.rank, "the script raised")
-    if not is_admitted():
-        _left_before_admission(joining.rank, "the script ended")
+    run_seat(seat, None, script_argv, link=link)
 
 
 def main(argv: list[str]) -> None:
@@ -239,7 +179,7 @@ def main(argv: list[str]) -> None:
     seat = Seat.from_json(argv[0])
     timeout = float(seat.context.get("timeout_s", 120.0))
     leave_after(timeout, f"of attempt {seat.attempt}")
-    _run(seat, _merge_with_parent("lightning_recover.cli.joiner runs only as a spawned replacement"), argv[1:])
+    run_seat(seat, _merge_with_parent("lightning_recover.cli.joiner runs only as a spawned replacement"), argv[1:])
 
 
 def _merge_with_parent(refusal: str) -> Any:

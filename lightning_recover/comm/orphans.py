@@ -37,7 +37,7 @@ from lightning_recover.comm.ulfm import failure_classes, mpi
 if TYPE_CHECKING:
     from lightning_recover.comm.communicator import FaultTolerantComm
 
-__all__ = ["OrphanSeat", "await_seat", "join_as_orphan", "seat_orphans"]
+__all__ = ["OrphanSeat", "await_seat", "connect_orphans", "join_as_orphan", "seat_orphans", "send_seat"]
 
 #: The leader's seat message to an orphan, on its lobby.
 TAG_ORPHAN_SEAT = 7310
@@ -47,19 +47,28 @@ ORPHAN_POLL_S = 0.01
 
 @dataclass(frozen=True)
 class OrphanSeat:
-    """What the leader tells an orphan: the logical rank it takes, its mates' launch ranks by shard, the port."""
+    """What the leader tells an orphan: the logical rank it takes, its mates' launch ranks by shard, the port,
+    and (seated by the recruiter) the replica's seat as a replacement's JSON."""
 
     rank: int
     members: tuple[int, ...]
     port: str
+    seat: str = ""
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"rank": self.rank, "members": list(self.members), "port": self.port}).encode()
+        return json.dumps({"rank": self.rank, "members": list(self.members), "port": self.port, "seat": self.seat}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> OrphanSeat:
         msg = json.loads(data.decode())
-        return cls(int(msg["rank"]), tuple(int(m) for m in msg["members"]), str(msg["port"]))
+        return cls(int(msg["rank"]), tuple(int(m) for m in msg["members"]), str(msg["port"]), str(msg.get("seat", "")))
+
+
+def send_seat(lobby: Lobby, orphan: int, seat: OrphanSeat) -> None:
+    """The leader: tell ``orphan`` (a logical rank waiting on ``lobby``) its seat."""
+    MPI = mpi()
+    data = np.frombuffer(seat.to_bytes(), dtype=np.uint8).copy()
+    lobby.comm.Send([data, MPI.BYTE], dest=lobby.lobby_rank(orphan), tag=TAG_ORPHAN_SEAT)
 
 
 def await_seat(lobby: Lobby, timeout_s: float) -> OrphanSeat | None:
@@ -82,22 +91,31 @@ def await_seat(lobby: Lobby, timeout_s: float) -> OrphanSeat | None:
     return None
 
 
-def join_as_orphan(comm: FaultTolerantComm, seat: OrphanSeat) -> bool:
-    """The orphan, seated: build the re-formation's communicator, connect, merge and grow as ``seat.rank``."""
+def connect_orphans(seat: OrphanSeat) -> tuple[Any, Any] | None:
+    """The orphans of one re-formation, seated: their own communicator (by shard), and the survivors'
+    merged with them (survivors first). None when a mate or the survivors failed meanwhile."""
     MPI = mpi()
     group = MPI.COMM_WORLD.Get_group().Incl(list(seat.members))
     tag = f"lightning-recover-orphans-{zlib.crc32(seat.port.encode()):08x}"
-    mates = MPI.Intracomm.Create_from_group(group, tag)
-    group.Free()
-    mates.Set_errhandler(MPI.ERRORS_RETURN)
     try:
-        inter = mates.Connect(seat.port, root=0)
-        merged = inter.Merge(high=True)
+        mates = MPI.Intracomm.Create_from_group(group, tag)
+        mates.Set_errhandler(MPI.ERRORS_RETURN)
+        merged = mates.Connect(seat.port, root=0).Merge(high=True)
     except MPI.Exception:
-        return False
+        return None
+    finally:
+        group.Free()
     merged.Set_errhandler(MPI.ERRORS_RETURN)
+    return mates, merged
+
+
+def join_as_orphan(comm: FaultTolerantComm, seat: OrphanSeat) -> bool:
+    """The orphan, seated: connect and grow the world as ``seat.rank`` (the communicator's half alone)."""
+    connected = connect_orphans(seat)
+    if connected is None:
+        return False
     comm.take_seat(seat.rank)
-    return comm.grow(merged)
+    return comm.grow(connected[1])
 
 
 def seat_orphans(comm: FaultTolerantComm, seats: Sequence[int], replica: int, deadline: float) -> bool:
@@ -110,9 +128,7 @@ def seat_orphans(comm: FaultTolerantComm, seats: Sequence[int], replica: int, de
     port = comm.world.bcast(port, root=0)
     if comm.is_leader:
         for shard, orphan in enumerate(seats):
-            lobby = comm.lobby_of(orphan)
-            data = np.frombuffer(OrphanSeat(layout.rank_of(replica, shard), members, port).to_bytes(), dtype=np.uint8).copy()
-            lobby.comm.Send([data, MPI.BYTE], dest=lobby.lobby_rank(orphan), tag=TAG_ORPHAN_SEAT)
+            send_seat(comm.lobby_of(orphan), orphan, OrphanSeat(layout.rank_of(replica, shard), members, port))
     dup = comm.duplicate_world()
     merged = None
     try:

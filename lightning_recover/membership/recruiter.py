@@ -90,7 +90,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lightning_recover.membership.handshake import ABORT, GO, TAG_DECISION, TAG_HELLO, TAG_READY, TAG_SEAT, host_checksum
+from lightning_recover.comm.orphans import OrphanSeat, send_seat
 from lightning_recover.membership.placement import SpawnPlacement, spawn_placement
+from lightning_recover.membership.salvage import Orphan, Reformation, plan_reformations
 from lightning_recover.membership.seat import Seat
 from lightning_recover.membership.standby import Standby, WarmStandbys
 from lightning_recover.runtime import lifecycle
@@ -106,7 +108,7 @@ __all__ = ["JoinAttempt", "Recruiter"]
 ADMIT_GRACE_S = 10.0
 
 # The leader's per-boundary decision, broadcast to every survivor.
-NOTHING, START, ADMIT, DROP = 0, 1, 2, 3
+NOTHING, START, ADMIT, DROP, SEAT_ORPHANS = 0, 1, 2, 3, 4
 #: The second code of a START: a cold spawn (otherwise the replica whose seated standby connects).
 COLD = -1
 
@@ -166,8 +168,11 @@ class Recruiter(WarmStandbys):
         standbys: int = 0,
         shards: int = 1,
         fault_point: Callable[[str, int], None] = lambda phase, attempt: None,
+        spawn: bool = True,
     ) -> None:
         self.comm = comm
+        #: ``recover.rejoin``: lost replicas may be spawned again (else only orphans re-form them: salvage).
+        self.spawn = spawn
         #: Fault injection's points in the survivors' side of an attempt (phase, attempt number).
         self.fault_point = fault_point
         self.hosts = hosts
@@ -211,7 +216,21 @@ class Recruiter(WarmStandbys):
 
     def active(self) -> bool:
         """Whether this boundary needs the leader's decision (the same answer on every survivor)."""
-        return self.attempt is not None or (bool(self.missing) and self.failures_in_a_row < self.attempts)
+        if self.attempt is not None:
+            return True
+        if not self.missing:
+            return False
+        return (self.spawn and self.failures_in_a_row < self.attempts) or self._reformation() is not None
+
+    def _reformation(self) -> Reformation | None:
+        """Salvage: the first lost replica that waiting orphans alone make whole again (every survivor's lobbies agree)."""
+        if not self.comm.lobbies:
+            return None
+        layout = self.comm.layout
+        orphans = [Orphan(lobby.world_epoch, r, layout.shard_of(r), self.comm.orphan_host(r))
+                   for lobby in self.comm.lobbies for r in lobby.orphans]
+        plans = plan_reformations(orphans, self.missing, layout.shards)
+        return plans[0] if plans else None
 
     def boundary(self, can_admit: bool) -> JoinAttempt | None:
         """The leader's decision, applied on every survivor. Returns the attempt to admit now, if any.
@@ -223,7 +242,9 @@ class Recruiter(WarmStandbys):
             return None
         codes = self._decide(can_admit) if self.comm.is_leader else (NOTHING, COLD)
         code, replica = self.comm.broadcast_codes(list(codes))
-        if code == START:
+        if code == SEAT_ORPHANS:
+            self._seat_orphans()
+        elif code == START:
             self._start(replica)
         elif code == DROP:
             self.drop("the replacements did not start" if self.attempt is None or self.attempt.error is None else self.attempt.error)
@@ -233,6 +254,10 @@ class Recruiter(WarmStandbys):
 
     def _decide(self, can_admit: bool) -> tuple[int, int]:
         att = self.attempt
+        if att is None and self._reformation() is not None:
+            return SEAT_ORPHANS, COLD
+        if att is None and not self.spawn:
+            return NOTHING, COLD
         if att is None:
             if self.serving_standbys():
                 # A seated standby whose script is ready is merged now; otherwise wait for one
@@ -335,6 +360,30 @@ class Recruiter(WarmStandbys):
             # A dead rank's slot is not given back: only an oversubscribed placement finds room.
             info.Set("map_by", ":OVERSUBSCRIBE")
         return info
+
+    def _seat_orphans(self) -> None:
+        """Salvage: every survivor accepts the orphans of the first re-formation on a duplicate of the world
+        (background thread); the leader sends each orphan its seat and the port on its lobby. No process is spawned."""
+        MPI = _mpi()
+        plan = self._reformation()
+        assert plan is not None, "the leader decided SEAT_ORPHANS: every survivor's lobbies hold the same orphans"
+        layout = self.comm.layout
+        orphans = [m.rank for m in plan.orphans]
+        ranks = layout.ranks_of_replica(plan.replica)
+        self.started_attempts += 1
+        seat_ = Seat(ranks, self.started_attempts, time.time(), self._context())
+        att = JoinAttempt(self.started_attempts, (plan.replica,), seat_, survivors=self.comm.world.Get_size())
+        dup = self.comm.duplicate_world()
+        if self.comm.is_leader:
+            att.port = MPI.Open_port()
+            members = tuple(self.comm.launch_rank_of(r) for r in orphans)
+            for shard, orphan in enumerate(orphans):
+                send_seat(self.comm.lobby_of(orphan), orphan, OrphanSeat(ranks[shard], members, att.port, seat_.to_json()))
+        self.comm.forget_orphans(orphans)
+        self._merge_in_background(att, lambda: dup.Accept(att.port, root=0), "the orphans' merge failed", "accept")
+        if self.comm.is_leader:
+            print(f"[lightning-recover] re-join attempt {att.number}: orphan rank(s) {orphans} re-form replica {plan.replica} "
+                  "(salvage: no process spawned)", file=sys.stderr, flush=True)
 
     def _start_standby(self, replica: int) -> None:
         """START for a seated standby: every survivor accepts it on a duplicate of the world (background thread)."""

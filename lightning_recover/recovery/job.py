@@ -193,6 +193,7 @@ class RecoveryJob:
             self.comm = FaultTolerantComm(
                 self.layout, bucket_bytes=self.config.bucket_bytes, data_plane=self.config.data_plane, plane_timeout_s=self.config.timeout_s
             )
+            self.comm.salvage = self.config.salvage
             mates = self.comm.world.Split(self.comm.replica, self.comm.shard)
         except MPI.Exception as exc:
             # A peer died after MPI_Init but before the communicator existed (during its imports,
@@ -282,9 +283,9 @@ class RecoveryJob:
         if c.checkpoint.dir is not None:
             guarded.append(Path(c.checkpoint.dir))
         self.comm.guard_writes(guarded)
-        if c.rejoin:
+        if c.rejoin or c.salvage:
             self.recruiter = self._make_recruiter()
-            if self.joining is None:
+            if self.joining is None and c.rejoin:
                 # Standbys start now, while this job still sets up, not after its first loss; the
                 # first step waits for them, every rank in a barrier that leaves the cores to them.
                 self.recruiter.tend(training=False)
@@ -308,7 +309,7 @@ class RecoveryJob:
         return Recruiter(
             self.comm, hosts=c.rejoin_hosts, attempts=c.rejoin_attempts, backoff_s=c.rejoin_backoff_s,
             timeout_s=c.rejoin_timeout_s, context=context, standbys=c.rejoin_standbys, shards=c.shards,
-            fault_point=self._recruiter_fault_point,
+            fault_point=self._recruiter_fault_point, spawn=c.rejoin,
         )
 
     def _recruiter_fault_point(self, phase: str, attempt: int) -> None:
@@ -375,6 +376,16 @@ class RecoveryJob:
         torch.set_rng_state(state["rng"]["torch"])
 
     # ------------------------------------------------------------------ close
+    def orphaned(self) -> None:
+        """Salvage: this rank left the world as an orphan (:mod:`lightning_recover.membership.orphan`). What
+        watched or served its old membership stops; MPI, the lobby and the process stay for its seat."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        if self.recruiter is not None:
+            self.recruiter.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()  # the seated script's strategy makes its own
+
     def close(self) -> None:
         """The survivors' last agreement (repairing a death after the last commit), then the watchdog stops."""
         if dist.is_initialized():

@@ -230,6 +230,29 @@ def start_rank(rank: int, world_size: int, end_of_job: Callable[[], None] | None
     _started_rank = rank
 
 
+def reseat(rank: int) -> None:
+    """This process, a rank of the launch orphaned by salvage, is seated again as logical rank ``rank``:
+    its crash hook and exit handler speak for that rank from now on (the new strategy's
+    :func:`start_rank` then finds it started)."""
+    global _started_rank, _crash_rank
+    _started_rank = _crash_rank = rank
+    mark_status("started", rank)
+
+
+def exit_now(status: int) -> NoReturn:
+    """End this process now with ``status`` as a normal exit would: the exit handler's end of job and
+    marker, then leave. For a script run from the crash hook (a seated orphan), where returning
+    would make Python exit with the status of the exception the hook handled."""
+    if _started_rank is not None:
+        _exit_handler(_started_rank)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(status)
+
+
 def die_on_sigterm() -> None:
     """Let SIGTERM end this rank at once, as the kernel's default does.
 
@@ -320,7 +343,7 @@ def _describe(exc_type: type[BaseException], exc: BaseException) -> str:
     return f"{exc_type.__name__}\n{summary}\n"
 
 
-def _real_stderr() -> TextIO:
+def real_stderr() -> TextIO:
     """Where a dying rank must write: ``sys.stderr``, unless an outer excepthook swapped in an
     in-memory buffer (torch's does) that would die with the process; then the process's own."""
     current = sys.stderr
@@ -395,7 +418,7 @@ def install_crash_hook(rank: int | None = None) -> None:
                 sys.stderr = swapped
         who = "" if _crash_rank is None else f" (rank {_crash_rank}{'' if first else '; same traceback as another rank printed'})"
         out.write(f"[lightning-recover] uncaught {exc_type.__name__}: this rank leaves by {CRASH_SIGNAL.name}{who}\n")
-        real = _real_stderr()
+        real = real_stderr()
         real.write(out.getvalue())
         real.flush()
         if _crash_rank is not None:

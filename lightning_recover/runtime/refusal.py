@@ -80,7 +80,7 @@ def refuse(error: ConfigurationError, rank: int | None = None) -> NoReturn:
     line = refusal_line(error)
     # The claim and the stream the crash hook uses for a traceback (lifecycle's own helpers).
     if lifecycle._first_to_print(line):
-        print(line, file=lifecycle._real_stderr(), flush=True)
+        print(line, file=lifecycle.real_stderr(), flush=True)
     lifecycle.mark_status("raised", rank, f"ConfigurationError\nConfigurationError: {' '.join(str(error).split())}\n")
     sys.stdout.flush()
     if _mpi_up():

@@ -44,10 +44,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_recover import _lightning
+from lightning_recover.comm.lobby import Orphaned
 from lightning_recover.comm.process_group import ProcessGroupULFM
 from lightning_recover.comm.replica_plane import data_parallel_comm, use_replica_plane
 from lightning_recover.config import RecoverConfig
 from lightning_recover.feed.data import StepTicket, TicketLoader
+from lightning_recover.membership import orphan
 from lightning_recover.membership.seat import seat as spawned_seat
 from lightning_recover.recovery import admission
 from lightning_recover.recovery.job import RecoveryJob
@@ -232,6 +234,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             joining, host = spawned_seat(), job_host(self, trainer, on_ranks=self._set_ranks, on_membership=self._on_membership)
             if joining is None:
                 self.job.start(host)
+                if self.config.salvage:
+                    orphan.arm(self.config.salvage_wait_s)
             else:
                 self.job.start_replacement(joining, host)
                 StepLogging.take_logger_versions(trainer, joining.seat.context.get("logger_versions", []))
@@ -486,6 +490,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             # A SIGTERM that came before the stage's start hook (lifecycle.die_on_sigterm): Lightning
             # ends it with SystemExit, status 0, but the sender meant this rank to die.
             lifecycle.terminated_by(signal.SIGTERM)
+        if isinstance(exception, Orphaned):
+            self.job.orphaned()  # it waits for a seat in the crash hook (membership/orphan.py)
         super().on_exception(exception)
 
     @override

@@ -69,5 +69,11 @@ def replica_guard(where: str, comm: Callable[[], FaultTolerantComm | None], shar
     except Exception as exc:
         rank_comm = comm()
         if shards > 1 and rank_comm is not None and is_comm_error(exc):
+            if rank_comm.may_be_orphaned:
+                # Salvage: the other replicas must repair with this rank in it, where it becomes an orphan
+                # (the repair raises Orphaned here); revoking the world sends them there.
+                rank_comm.peer_failure(where)
+                rank_comm.agree(False)
+                rank_comm.repair()
             lifecycle.gate_exit(rank_comm.rank, f"replica-local collective failed during {where}: {exc}")
         raise

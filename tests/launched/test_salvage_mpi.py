@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.mpirun import run_mpi
+from harness.mpirun import assert_reference_run, joins_by_replica, ledger_lines, run_mpi, train_worker
 
 pytestmark = pytest.mark.mpi
 
@@ -30,3 +30,23 @@ def test_two_broken_replicas_reform_one_whole_replica_from_orphans(tmp_path: Pat
     assert {res["world_epoch"] for res in results.values()} == {3}, "two repairs and one growth"
     assert results[0]["reformed_at_step"] == 3 and results[0]["reformed_in_s"] < 10
     assert "spawn" not in job.stderr.lower(), job.describe()
+
+
+def test_a_lightning_job_ends_with_two_whole_replicas_from_orphans_alone(tmp_path: Path) -> None:
+    """Issue 37's first acceptance: 3 replicas x 2 shards, shard 0 of replica 1 SIGKILLed in step 2 and
+    shard 1 of replica 2 in step 5. Their mates wait as orphans, are seated together as replica 1
+    (no process spawned), run the script again, receive the live state, and the run ends with 2
+    whole replicas and the fault-free run's ledger and weights."""
+    argv = ["--shards", "2", "--steps", "14", "--salvage", "--slow-while-degraded", "1.0"]
+    faults = [{"step": 2, "rank": 2, "phase": "backward", "kind": "kill"}, {"step": 5, "rank": 5, "phase": "backward", "kind": "kill"}]
+    job = train_worker(6, tmp_path, argv, faults, timeout=300)
+    assert job.returncode == 0, job.describe()
+    results = assert_reference_run(job, argv, 3)
+    assert sorted(results) == [0, 1, 2, 3], job.describe()
+    assert all(r["alive"] == [0, 1] for r in results.values()), results
+    err = job.stderr
+    assert "orphan rank(s) [4, 3] re-form replica 1 (salvage: no process spawned)" in err, job.describe()
+    assert "seated as rank 2 of a re-formed replica" in err and "seated as rank 3 of a re-formed replica" in err, job.describe()
+    assert "waits for a seat in a re-formed replica" in err and "spawning" not in err, "no process is spawned"
+    joins = joins_by_replica(ledger_lines(job))
+    assert [j["ok"] for j in joins[1]] == [True], joins

@@ -63,6 +63,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="recover.sdc.every_n_steps (default 1: every run also counts as a false-positive check); 0 = off")
     ap.add_argument("--sdc-action", default="repair", help="recover.sdc.action")
     ap.add_argument("--rejoin-hosts", default=None, help="recover.rejoin_hosts")
+    ap.add_argument("--salvage", action="store_true", help="recover.salvage: a broken replica's live ranks wait as orphans")
     ap.add_argument("--rejoin-attempts", type=int, default=3, help="recover.rejoin_attempts")
     ap.add_argument("--rejoin-timeout", type=float, default=60.0, help="recover.rejoin_timeout_s")
     ap.add_argument("--rejoin-standbys", type=int, default=0, help="recover.rejoin_standbys (warm standbys)")
@@ -275,6 +276,7 @@ def main() -> None:
         rejoin=args.rejoin, rejoin_backoff_s=0.5, rejoin_timeout_s=args.rejoin_timeout, rejoin_hosts=args.rejoin_hosts,
         rejoin_attempts=args.rejoin_attempts, rejoin_standbys=args.rejoin_standbys,
         rejoin_standbys_wait_s=args.rejoin_standbys_wait, sdc_every_n_steps=args.sdc_every, sdc_action=args.sdc_action,
+        salvage=args.salvage,
         overlap=not args.no_overlap, sync_every_microbatch=args.sync_every_microbatch,
         data_plane=args.data_plane, replica_plane=args.replica_plane,
     )
