@@ -378,7 +378,10 @@ class Recruiter(WarmStandbys):
             att.port = MPI.Open_port()
             members = tuple(self.comm.launch_rank_of(r) for r in orphans)
             for shard, orphan in enumerate(orphans):
-                send_seat(self.comm.lobby_of(orphan), orphan, OrphanSeat(ranks[shard], members, att.port, seat_.to_json()))
+                try:
+                    send_seat(self.comm.lobby_of(orphan), orphan, OrphanSeat(ranks[shard], members, att.port, seat_.to_json()))
+                except MPI.Exception as exc:  # it died while it waited: the attempt is dropped at the next boundary
+                    att.error = f"orphan rank {orphan} died while it waited ({exc.Get_error_string()})"
         self.comm.forget_orphans(orphans)
         self._merge_in_background(att, lambda: dup.Accept(att.port, root=0), "the orphans' merge failed", "accept")
         if self.comm.is_leader:
