@@ -269,6 +269,9 @@ class FaultTolerantComm(Collectives):
         self.world_epoch = max(e for _, e, *_ in rows) + 1
         self.job_id = rows[0][4]  # a survivor's: the joiners come after them
         self.alive_replicas = tuple(self.layout.complete_replicas(self._ids))
+        # Salvage: the joiners hold none of the earlier lobbies, and the recruiter's decision needs every
+        # member to see the same orphans; those still waiting are given up (their wait ends them).
+        self.lobbies.clear()
         self._open_plane()
         self._advance_fences()
         return True

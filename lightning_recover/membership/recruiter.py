@@ -89,8 +89,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lightning_recover.membership.handshake import ABORT, GO, TAG_DECISION, TAG_HELLO, TAG_READY, TAG_SEAT, host_checksum
 from lightning_recover.comm.orphans import OrphanSeat, send_seat
+from lightning_recover.membership.handshake import ABORT, GO, TAG_DECISION, TAG_HELLO, TAG_READY, TAG_SEAT, host_checksum
 from lightning_recover.membership.placement import SpawnPlacement, spawn_placement
 from lightning_recover.membership.salvage import Orphan, Reformation, plan_reformations
 from lightning_recover.membership.seat import Seat
