@@ -93,3 +93,15 @@ def test_bad_inputs_name_the_value() -> None:
         plan_reformations([], [0], 0)
     with pytest.raises(ValueError, match="appears twice"):
         plan_reformations([Orphan(0, 1, 1, "a"), Orphan(1, 1, 1, "a")], [0], 2)
+
+
+def test_the_salvage_settings_are_off_by_default_and_refuse_bad_values_by_name() -> None:
+    from lightning_recover.config import ConfigurationError, RecoverConfig
+
+    assert RecoverConfig().salvage is False and RecoverConfig().salvage_wait_s == 300.0
+    assert RecoverConfig(salvage=True, salvage_wait_s=5).salvage_wait_s == 5.0
+    with pytest.raises(ConfigurationError, match=r"salvage.*true or false.*set recover.salvage=true"):
+        RecoverConfig(salvage="yes")
+    for bad in (0, -1, float("inf"), "soon"):
+        with pytest.raises(ConfigurationError, match=r"salvage_wait_s.*set recover.salvage_wait_s"):
+            RecoverConfig(salvage_wait_s=bad)
