@@ -9,7 +9,7 @@ replica (:func:`lightning_recover.membership.salvage.plan_reformations`)::
 
     SEAT     the leader opens a port and sends each orphan of the re-formation its seat on its
              lobby (JSON: its new logical rank, the launch ranks of the re-formation's members
-             by shard, the port): :func:`seat_orphans`
+             by shard, the port): :func:`send_seat` (the recruiter decides when)
     GROUP    the orphans build one communicator of their own with MPI_Comm_create_from_group
              (MPI_Comm_create_group on MPI_COMM_WORLD fails once a rank of the world died)
     MERGE    the survivors Accept on the port, the orphans Connect; both Merge (survivors
@@ -25,19 +25,15 @@ from __future__ import annotations
 import json
 import time
 import zlib
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from lightning_recover.comm.lobby import Lobby
 from lightning_recover.comm.ulfm import failure_classes, mpi
 
-if TYPE_CHECKING:
-    from lightning_recover.comm.communicator import FaultTolerantComm
-
-__all__ = ["OrphanSeat", "await_seat", "connect_orphans", "join_as_orphan", "seat_orphans", "send_seat"]
+__all__ = ["OrphanSeat", "await_seat", "connect_orphans", "send_seat"]
 
 #: The leader's seat message to an orphan, on its lobby.
 TAG_ORPHAN_SEAT = 7310
@@ -107,36 +103,3 @@ def connect_orphans(seat: OrphanSeat) -> tuple[Any, Any] | None:
         group.Free()
     merged.Set_errhandler(MPI.ERRORS_RETURN)
     return mates, merged
-
-
-def join_as_orphan(comm: FaultTolerantComm, seat: OrphanSeat) -> bool:
-    """The orphan, seated: connect and grow the world as ``seat.rank`` (the communicator's half alone)."""
-    connected = connect_orphans(seat)
-    if connected is None:
-        return False
-    comm.take_seat(seat.rank)
-    return comm.grow(connected[1])
-
-
-def seat_orphans(comm: FaultTolerantComm, seats: Sequence[int], replica: int, deadline: float) -> bool:
-    """The survivors (collective over the world): seat the orphans ``seats`` (logical ranks, by shard) as
-    ``replica`` and grow the world with them. False on every survivor when it did not complete."""
-    MPI = mpi()
-    layout = comm.layout
-    members = tuple(comm.launch_rank_of(r) for r in seats)
-    port = MPI.Open_port() if comm.is_leader else ""
-    port = comm.world.bcast(port, root=0)
-    if comm.is_leader:
-        for shard, orphan in enumerate(seats):
-            send_seat(comm.lobby_of(orphan), orphan, OrphanSeat(layout.rank_of(replica, shard), members, port))
-    dup = comm.duplicate_world()
-    merged = None
-    try:
-        merged = dup.Accept(port, root=0).Merge(high=False)
-    except MPI.Exception:
-        merged = None
-    finally:
-        if comm.is_leader:
-            MPI.Close_port(port)
-    comm.forget_orphans(seats)
-    return comm.grow(merged, deadline=deadline)

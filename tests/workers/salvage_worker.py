@@ -18,7 +18,7 @@ import torch
 from lightning_recover.comm.communicator import FaultTolerantComm
 from lightning_recover.comm.interface import PeerFailure
 from lightning_recover.comm.lobby import Orphaned
-from lightning_recover.comm.orphans import await_seat, join_as_orphan, seat_orphans
+from lightning_recover.comm.orphans import OrphanSeat, await_seat, connect_orphans, send_seat
 from lightning_recover.comm.topology import RankLayout
 from lightning_recover.membership.salvage import Orphan, plan_reformations
 from lightning_recover.runtime import lifecycle
@@ -26,6 +26,34 @@ from lightning_recover.runtime import lifecycle
 torch.set_num_threads(1)
 KILLS = {1: 2, 3: 5}  # step -> launch rank SIGKILLed in that step's reduction
 STEPS = 6
+
+
+def seat_orphans(comm: FaultTolerantComm, seats: list[int], replica: int, deadline: float) -> bool:
+    """The survivors, without the recruiter: seat the orphans ``seats`` (logical ranks, by shard) as ``replica``."""
+    from mpi4py import MPI
+
+    members = tuple(comm.launch_rank_of(r) for r in seats)
+    port = comm.world.bcast(MPI.Open_port() if comm.is_leader else "", root=0)
+    if comm.is_leader:
+        for shard, orphan in enumerate(seats):
+            send_seat(comm.lobby_of(orphan), orphan, OrphanSeat(comm.layout.rank_of(replica, shard), members, port))
+    try:
+        merged = comm.duplicate_world().Accept(port, root=0).Merge(high=False)
+    except MPI.Exception:
+        merged = None
+    if comm.is_leader:
+        MPI.Close_port(port)
+    comm.forget_orphans(seats)
+    return comm.grow(merged, deadline=deadline)
+
+
+def join_as_orphan(comm: FaultTolerantComm, seat: OrphanSeat) -> bool:
+    """The orphan, seated: connect and grow the world as ``seat.rank``."""
+    connected = connect_orphans(seat)
+    if connected is None:
+        return False
+    comm.take_seat(seat.rank)
+    return comm.grow(connected[1])
 
 
 def reduce_once(comm: FaultTolerantComm, step: int) -> bool:
