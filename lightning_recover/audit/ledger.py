@@ -11,9 +11,11 @@ fields of a line (:data:`LEDGER_FIELDS`, :data:`JOIN_FIELDS`) and how a file is 
 
 Hot re-join adds two optional fields (absent from older ledgers): ``joined``, the replicas
 admitted at the boundary before the step (from the policy), and ``joins``, one object per
-joined replica ``{"replica", "transfer_s", "pause_s", "ok"}`` with the seconds the state
-transfer took and the survivors' pause (null where not measured), and whether the joiner
-committed that step (false: it died first and is among the step's faults).
+joined replica ``{"replica", "transfer_s", "pause_s", "ok", "spawned"}`` with the seconds the state
+transfer took and the survivors' pause (null where not measured), whether the joiner
+committed that step (false: it died first and is among the step's faults), and (optional)
+how many processes were spawned to seat it: S, fewer when salvage's orphans filled the other
+ranks, 0 when orphans alone re-formed it.
 
 Two line formats, both read everywhere:
 

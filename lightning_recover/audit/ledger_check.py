@@ -206,6 +206,9 @@ def _check_joins(problems: _Problems, step: int, rec: Mapping[str, Any], prev: M
                     v = j.get(key)
                     if v is not None and not (_is_number(v) and v >= 0):
                         problems.add(step, f"join of replica {j.get('replica')}: {key} must be seconds >= 0 or null, got {v!r}")
+                spawned = j.get("spawned")
+                if spawned is not None and not (_is_int(spawned) and spawned >= 0):
+                    problems.add(step, f"join of replica {j.get('replica')}: spawned must be a process count >= 0, got {spawned!r}")
     return len(joined)
 
 

@@ -9,6 +9,10 @@ interpreter starts and they train on while this process gets ready. Then it runs
 user's script under its original argv; the strategy finds the seat with
 :func:`lightning_recover.membership.seat.seat` and joins at a step boundary.
 
+A rank that completes a re-formed replica (salvage with re-join: its seat names the survivors'
+port, :data:`~lightning_recover.membership.seat.ORPHANS_PORT`) is spawned by that replica's
+orphans instead: it merges with them, and they connect to the survivors together.
+
 A standby (see :mod:`lightning_recover.membership.standby`) merges with the leader
 alone, imports the strategy and the installed packages the script imports at its top level
 (:func:`installed_imports`; never the user's own modules), tells the leader it is warm and
@@ -67,8 +71,8 @@ from typing import Any
 
 from lightning_recover.membership import handshake, milestones
 from lightning_recover.membership.admission_timer import disarm, is_admitted, leave_after
-from lightning_recover.membership.replacement import job_environment, run_seat
-from lightning_recover.membership.seat import Seat
+from lightning_recover.membership.replacement import job_environment, left_before_admission, run_seat
+from lightning_recover.membership.seat import ORPHANS_PORT, Seat
 from lightning_recover.runtime import lifecycle, priority
 
 
@@ -179,11 +183,27 @@ def main(argv: list[str]) -> None:
     seat = Seat.from_json(argv[0])
     timeout = float(seat.context.get("timeout_s", 120.0))
     leave_after(timeout, f"of attempt {seat.attempt}")
-    run_seat(seat, _merge_with_parent("lightning_recover.cli.joiner runs only as a spawned replacement"), argv[1:])
+    port = seat.context.get(ORPHANS_PORT)
+    if not isinstance(port, str):
+        run_seat(seat, _merge_with_parent("lightning_recover.cli.joiner runs only as a spawned replacement"), argv[1:])
+        return
+    # Spawned by the orphans of a re-formed replica (salvage): merged with them first, this process
+    # reaches the survivors together with them, and the replica's own ranks are that first merge.
+    from mpi4py import MPI
+
+    team = _merge_with_parent("lightning_recover.cli.joiner runs only as a spawned replacement", hello=False)
+    try:
+        merged = team.Connect(port, root=0).Merge(high=True)
+    except MPI.Exception as exc:
+        left_before_admission(seat.ranks[team.Get_rank()], f"its re-formed replica could not reach the survivors ({exc.Get_error_string()})")
+    merged.Set_errhandler(MPI.ERRORS_RETURN)
+    handshake.say_hello(merged)
+    run_seat(seat, merged, argv[1:], children=team)
 
 
-def _merge_with_parent(refusal: str) -> Any:
-    """Start MPI, merge with the ranks that spawned this process (placed after them) and say hello."""
+def _merge_with_parent(refusal: str, *, hello: bool = True) -> Any:
+    """Start MPI, merge with the ranks that spawned this process (placed after them) and say hello to
+    the merged communicator's rank 0 (``hello``: it is the survivors' leader)."""
     lifecycle.prepare_mpi()
     from mpi4py import MPI
 
@@ -192,7 +212,8 @@ def _merge_with_parent(refusal: str) -> Any:
         raise SystemExit(f"{refusal} (no parent communicator)")
     merged = parent.Merge(high=True)
     merged.Set_errhandler(MPI.ERRORS_RETURN)
-    handshake.say_hello(merged)
+    if hello:
+        handshake.say_hello(merged)
     milestones.mark("merged")
     # Nobody sends on COMM_SELF: the probe only enters MPI's progress engine.
     probe = functools.partial(MPI.COMM_SELF.Iprobe, MPI.ANY_SOURCE, MPI.ANY_TAG)

@@ -12,6 +12,10 @@ replica (:func:`lightning_recover.membership.salvage.plan_reformations`)::
              by shard, the port): :func:`send_seat` (the recruiter decides when)
     GROUP    the orphans build one communicator of their own with MPI_Comm_create_from_group
              (MPI_Comm_create_group on MPI_COMM_WORLD fails once a rank of the world died)
+    SPAWN    only when re-join completes the replica (some shard index has no orphan): the
+             orphans spawn the missing ranks themselves and merge with them (orphans first),
+             so the replica's ranks reach the survivors as one group; each spawned rank then
+             connects to the port with them (:mod:`lightning_recover.cli.joiner`)
     MERGE    the survivors Accept on the port, the orphans Connect; both Merge (survivors
              first) and grow the world (:meth:`~FaultTolerantComm.grow`): the replica is whole again
 
@@ -23,6 +27,7 @@ whose replica breaks leaves through the gate as before. Nothing here imports tor
 from __future__ import annotations
 
 import json
+import sys
 import time
 import zlib
 from dataclasses import dataclass
@@ -44,20 +49,30 @@ ORPHAN_POLL_S = 0.01
 @dataclass(frozen=True)
 class OrphanSeat:
     """What the leader tells an orphan: the logical rank it takes, its mates' launch ranks by shard, the port,
-    and (seated by the recruiter) the replica's seat as a replacement's JSON."""
+    (seated by the recruiter) the replica's seat as a replacement's JSON, and -- when re-join completes
+    the replica -- the arguments of the python that the orphans spawn for the missing ranks and
+    where it goes (MPI_Info keys)."""
 
     rank: int
     members: tuple[int, ...]
     port: str
     seat: str = ""
+    #: ``python ARGS`` of each spawned rank, one process per entry of ``spawn_count``; empty: none.
+    spawn_args: tuple[str, ...] = ()
+    spawn_count: int = 0
+    spawn_info: tuple[tuple[str, str], ...] = ()
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"rank": self.rank, "members": list(self.members), "port": self.port, "seat": self.seat}).encode()
+        return json.dumps({"rank": self.rank, "members": list(self.members), "port": self.port, "seat": self.seat,
+                           "spawn_args": list(self.spawn_args), "spawn_count": self.spawn_count,
+                           "spawn_info": [list(kv) for kv in self.spawn_info]}).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> OrphanSeat:
         msg = json.loads(data.decode())
-        return cls(int(msg["rank"]), tuple(int(m) for m in msg["members"]), str(msg["port"]), str(msg.get("seat", "")))
+        return cls(int(msg["rank"]), tuple(int(m) for m in msg["members"]), str(msg["port"]), str(msg.get("seat", "")),
+                   tuple(str(a) for a in msg.get("spawn_args", [])), int(msg.get("spawn_count", 0)),
+                   tuple((str(k), str(v)) for k, v in msg.get("spawn_info", [])))
 
 
 def send_seat(lobby: Lobby, orphan: int, seat: OrphanSeat) -> None:
@@ -88,18 +103,27 @@ def await_seat(lobby: Lobby, timeout_s: float) -> OrphanSeat | None:
 
 
 def connect_orphans(seat: OrphanSeat) -> tuple[Any, Any] | None:
-    """The orphans of one re-formation, seated: their own communicator (by shard), and the survivors'
-    merged with them (survivors first). None when a mate or the survivors failed meanwhile."""
+    """The orphans of one re-formation, seated: the re-formed replica's own communicator (the orphans in the
+    order of ``members``, then the ranks they spawned), and the survivors' merged with it (survivors
+    first). None when a mate, a spawned rank or the survivors failed meanwhile."""
     MPI = mpi()
     group = MPI.COMM_WORLD.Get_group().Incl(list(seat.members))
     tag = f"lightning-recover-orphans-{zlib.crc32(seat.port.encode()):08x}"
     try:
-        mates = MPI.Intracomm.Create_from_group(group, tag)
+        team = mates = MPI.Intracomm.Create_from_group(group, tag)
         mates.Set_errhandler(MPI.ERRORS_RETURN)
-        merged = mates.Connect(seat.port, root=0).Merge(high=True)
+        if seat.spawn_count:
+            info = MPI.Info.Create()
+            for key, value in seat.spawn_info:
+                info.Set(key, value)
+            children = mates.Spawn(sys.executable, args=list(seat.spawn_args), maxprocs=seat.spawn_count, info=info, root=0)
+            info.Free()
+            team = children.Merge(high=False)
+            team.Set_errhandler(MPI.ERRORS_RETURN)
+        merged = team.Connect(seat.port, root=0).Merge(high=True)
     except MPI.Exception:
         return None
     finally:
         group.Free()
     merged.Set_errhandler(MPI.ERRORS_RETURN)
-    return mates, merged
+    return team, merged

@@ -7,8 +7,10 @@ catch it -- and reaches the crash hook, where :func:`handle` takes over:
 
 1. it waits, sleeping, for the leader's seat on its lobby, at most ``recover.salvage_wait_s``
    (not seated by then: it leaves through the replica-consistency gate, as it would have);
-2. seated, it builds its re-formation's communicator, connects to the survivors and merges
-   (:func:`~lightning_recover.comm.orphans.connect_orphans`);
+2. seated, it builds its re-formation's communicator, spawns the ranks no orphan fills (re-join
+   on), connects to the survivors and merges
+   (:func:`~lightning_recover.comm.orphans.connect_orphans`), within ``rejoin_timeout_s`` like any
+   replacement;
 3. it runs the user's script again, as a replacement of its seat
    (:func:`~lightning_recover.membership.replacement.run_seat`): the model and the Trainer are
    built again, the live state arrives over the state transfer, and training goes on. Its
@@ -26,6 +28,7 @@ from typing import NoReturn
 from lightning_recover.comm.lobby import Orphaned
 from lightning_recover.comm.orphans import await_seat, connect_orphans
 from lightning_recover.membership import handshake
+from lightning_recover.membership.admission_timer import leave_after
 from lightning_recover.membership.replacement import run_seat
 from lightning_recover.membership.seat import Seat
 from lightning_recover.runtime import lifecycle
@@ -58,10 +61,14 @@ def _live_on(exc: Orphaned, rank: int, wait_s: float) -> NoReturn:
     msg = await_seat(exc.lobby, wait_s)
     if msg is None:
         lifecycle.gate_exit(rank, f"an orphan not seated within {wait_s:g} s (recover.salvage_wait_s)")
+    seat = Seat.from_json(msg.seat)
+    # From its seat on it is bounded like any replacement: a mate, a rank it spawns or the survivors may
+    # die unreported and leave it in a connect or a spawn that never returns.
+    leave_after(float(seat.context.get("timeout_s", 120.0)), f"for rank {msg.rank} (orphan rank {rank})")
     connected = connect_orphans(msg)
     if connected is None:
         lifecycle.gate_exit(rank, "an orphan whose re-formed replica could not be merged (a mate or the survivors failed)")
-    mates, merged = connected
+    team, merged = connected
     handshake.say_hello(merged)
     lifecycle.reseat(msg.rank)
     print(f"[lightning-recover] rank {rank}: seated as rank {msg.rank} of a re-formed replica; the script runs again",
@@ -70,7 +77,7 @@ def _live_on(exc: Orphaned, rank: int, wait_s: float) -> NoReturn:
     traceback.clear_frames(exc.__traceback__)
     del exc
     try:
-        run_seat(Seat.from_json(msg.seat), merged, list(sys.argv), children=mates)
+        run_seat(seat, merged, list(sys.argv), children=team)
     except SystemExit as end:
         code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
         lifecycle.exit_now(code)

@@ -35,6 +35,16 @@ class SpawnPlacement:
     def describe(self) -> str:
         return f"on {self.host}" if self.host else "on the launch's hosts (oversubscribed)"
 
+    def info_items(self, wdir: str) -> list[tuple[str, str]]:
+        """The MPI_Info keys of a spawn placed so, started in ``wdir``."""
+        items = [("wdir", wdir), ("bind_to", "none")]
+        if self.host:
+            items.append(("host", self.host))
+        if self.oversubscribe:
+            # A dead rank's slot is not given back: only an oversubscribed placement finds room.
+            items.append(("map_by", ":OVERSUBSCRIBE"))
+        return items
+
 
 def _rotate(hosts: str, by: int) -> str:
     names = [h for h in hosts.split(",") if h.strip()]

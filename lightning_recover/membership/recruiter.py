@@ -93,7 +93,7 @@ from lightning_recover.comm.orphans import OrphanSeat, send_seat
 from lightning_recover.membership.handshake import ABORT, GO, TAG_DECISION, TAG_HELLO, TAG_READY, TAG_SEAT, host_checksum
 from lightning_recover.membership.placement import SpawnPlacement, spawn_placement
 from lightning_recover.membership.salvage import Orphan, Reformation, plan_reformations
-from lightning_recover.membership.seat import Seat
+from lightning_recover.membership.seat import ORPHANS_PORT, Seat
 from lightning_recover.membership.standby import Standby, WarmStandbys
 from lightning_recover.runtime import lifecycle
 from lightning_recover.runtime.markers import ENV_SPARE_HOSTS
@@ -141,8 +141,10 @@ class JoinAttempt:
     admitting: bool = False
     #: The seated standby this attempt merges (the leader's; None on the others and for a cold spawn).
     standby: Standby | None = None
-    #: The port the survivors accept a standby on (the leader's), closed when the attempt ends.
+    #: The port the survivors accept a standby or orphans on (the leader's), closed when the attempt ends.
     port: str | None = None
+    #: Processes spawned per replica it seats (the ledger's ``spawned``): S, or fewer when orphans fill the rest.
+    spawned: int | None = None
 
     @property
     def size(self) -> int:
@@ -220,16 +222,21 @@ class Recruiter(WarmStandbys):
             return True
         if not self.missing:
             return False
-        return (self.spawn and self.failures_in_a_row < self.attempts) or self._reformation() is not None
+        return self._may_spawn() or self._reformation(spawn=False) is not None
 
-    def _reformation(self) -> Reformation | None:
-        """Salvage: the first lost replica that waiting orphans alone make whole again (every survivor's lobbies agree)."""
+    def _may_spawn(self) -> bool:
+        """Whether re-join may spawn now (the same answer on every survivor: the leader's clock decides when)."""
+        return self.spawn and self.failures_in_a_row < self.attempts
+
+    def _reformation(self, *, spawn: bool) -> Reformation | None:
+        """Salvage: the first lost replica that waiting orphans make whole again -- alone, or (``spawn``) with
+        spawned ranks for the shard indices none of them holds (every survivor's lobbies agree)."""
         if not self.comm.lobbies:
             return None
         layout = self.comm.layout
         orphans = [Orphan(lobby.world_epoch, r, layout.shard_of(r), self.comm.orphan_host(r))
                    for lobby in self.comm.lobbies for r in lobby.orphans]
-        plans = plan_reformations(orphans, self.missing, layout.shards)
+        plans = plan_reformations(orphans, self.missing, layout.shards, spawn=spawn)
         return plans[0] if plans else None
 
     def boundary(self, can_admit: bool) -> JoinAttempt | None:
@@ -243,7 +250,7 @@ class Recruiter(WarmStandbys):
         codes = self._decide(can_admit) if self.comm.is_leader else (NOTHING, COLD)
         code, replica = self.comm.broadcast_codes(list(codes))
         if code == SEAT_ORPHANS:
-            self._seat_orphans()
+            self._seat_orphans(spawn=bool(replica))
         elif code == START:
             self._start(replica)
         elif code == DROP:
@@ -254,8 +261,10 @@ class Recruiter(WarmStandbys):
 
     def _decide(self, can_admit: bool) -> tuple[int, int]:
         att = self.attempt
-        if att is None and self._reformation() is not None:
-            return SEAT_ORPHANS, COLD
+        spawn_now = self._may_spawn() and time.monotonic() >= self._next_try
+        if att is None and self._reformation(spawn=spawn_now) is not None:
+            # The second code says whether the re-formation may spawn, so every survivor plans alike.
+            return SEAT_ORPHANS, int(spawn_now)
         if att is None and not self.spawn:
             return NOTHING, COLD
         if att is None:
@@ -313,7 +322,7 @@ class Recruiter(WarmStandbys):
         ranks = tuple(layout.rank_of(r, s) for r in replicas for s in range(layout.shards))
         self.started_attempts += 1
         seat_ = Seat(ranks, self.started_attempts, time.time(), self._context())
-        att = JoinAttempt(self.started_attempts, replicas, seat_, survivors=self.comm.world.Get_size())
+        att = JoinAttempt(self.started_attempts, replicas, seat_, survivors=self.comm.world.Get_size(), spawned=layout.shards)
         dup = self.comm.duplicate_world()
         info = self._spawn_info()
         args = ["-m", "lightning_recover.cli.joiner", seat_.to_json(), *self.argv]
@@ -349,44 +358,49 @@ class Recruiter(WarmStandbys):
 
     def _spawn_info(self) -> Any:
         """Where spawned processes go, cold replacements and standbys alike (:mod:`~lightning_recover.membership.placement`)."""
-        MPI = _mpi()
-        info = MPI.Info.Create()
-        info.Set("wdir", os.getcwd())
-        info.Set("bind_to", "none")
-        where = self._placement()
-        if where.host:
-            info.Set("host", where.host)
-        if where.oversubscribe:
-            # A dead rank's slot is not given back: only an oversubscribed placement finds room.
-            info.Set("map_by", ":OVERSUBSCRIBE")
+        info = _mpi().Info.Create()
+        for key, value in self._placement().info_items(os.getcwd()):
+            info.Set(key, value)
         return info
 
-    def _seat_orphans(self) -> None:
-        """Salvage: every survivor accepts the orphans of the first re-formation on a duplicate of the world
-        (background thread); the leader sends each orphan its seat and the port on its lobby. No process is spawned."""
+    def _seat_orphans(self, *, spawn: bool) -> None:
+        """Salvage: every survivor accepts the re-formed replica of the first re-formation on a duplicate of the
+        world (background thread); the leader sends each orphan its seat and the port on its lobby. The
+        orphans spawn the ranks no orphan fills themselves (``spawn``), and connect with them."""
         MPI = _mpi()
-        plan = self._reformation()
+        plan = self._reformation(spawn=spawn)
         assert plan is not None, "the leader decided SEAT_ORPHANS: every survivor's lobbies hold the same orphans"
         layout = self.comm.layout
         orphans = [m.rank for m in plan.orphans]
-        ranks = layout.ranks_of_replica(plan.replica)
+        # In the order of the replica's own communicator: its orphans, then the ranks they spawn.
+        ranks = tuple(layout.rank_of(plan.replica, m.shard) for m in plan.orphans) + tuple(
+            layout.rank_of(plan.replica, s) for s in plan.spawned_shards)
         self.started_attempts += 1
         seat_ = Seat(ranks, self.started_attempts, time.time(), self._context())
-        att = JoinAttempt(self.started_attempts, (plan.replica,), seat_, survivors=self.comm.world.Get_size())
+        att = JoinAttempt(self.started_attempts, (plan.replica,), seat_, survivors=self.comm.world.Get_size(),
+                          spawned=len(plan.spawned_shards))
         dup = self.comm.duplicate_world()
         if self.comm.is_leader:
             att.port = MPI.Open_port()
             members = tuple(self.comm.launch_rank_of(r) for r in orphans)
-            for shard, orphan in enumerate(orphans):
+            spawn_args: tuple[str, ...] = ()
+            if plan.spawned_shards:
+                told = Seat(ranks, seat_.attempt, seat_.spawned_at, {**seat_.context, ORPHANS_PORT: att.port})
+                spawn_args = ("-m", "lightning_recover.cli.joiner", told.to_json(), *self.argv)
+            info = tuple(self._placement().info_items(os.getcwd()))
+            for i, orphan in enumerate(orphans):
+                seat_msg = OrphanSeat(ranks[i], members, att.port, seat_.to_json(), spawn_args, len(plan.spawned_shards), info)
                 try:
-                    send_seat(self.comm.lobby_of(orphan), orphan, OrphanSeat(ranks[shard], members, att.port, seat_.to_json()))
+                    send_seat(self.comm.lobby_of(orphan), orphan, seat_msg)
                 except MPI.Exception as exc:  # it died while it waited: the attempt is dropped at the next boundary
                     att.error = f"orphan rank {orphan} died while it waited ({exc.Get_error_string()})"
         self.comm.forget_orphans(orphans)
         self._merge_in_background(att, lambda: dup.Accept(att.port, root=0), "the orphans' merge failed", "accept")
         if self.comm.is_leader:
+            made = (f"{len(plan.spawned_shards)} process(es) spawned by the orphans, not {layout.shards}, "
+                    f"{self._placement().describe()}" if plan.spawned_shards else "no process spawned")
             print(f"[lightning-recover] re-join attempt {att.number}: orphan rank(s) {orphans} re-form replica {plan.replica} "
-                  "(salvage: no process spawned)", file=sys.stderr, flush=True)
+                  f"(salvage: {made})", file=sys.stderr, flush=True)
 
     def _start_standby(self, replica: int) -> None:
         """START for a seated standby: every survivor accepts it on a duplicate of the world (background thread)."""
@@ -395,7 +409,8 @@ class Recruiter(WarmStandbys):
         ranks = tuple(layout.rank_of(replica, s) for s in range(layout.shards))
         self.started_attempts += 1
         seat_ = Seat(ranks, self.started_attempts, time.time(), self._context())
-        att = JoinAttempt(self.started_attempts, (replica,), seat_, survivors=self.comm.world.Get_size())
+        # A standby's processes were spawned ahead of the loss: S of them, as for a cold spawn.
+        att = JoinAttempt(self.started_attempts, (replica,), seat_, survivors=self.comm.world.Get_size(), spawned=layout.shards)
         dup = self.comm.duplicate_world()
         if self.comm.is_leader:
             att.standby = next(sb for sb in self.seated if sb.replica == replica)

@@ -22,17 +22,21 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["Joining", "Seat", "job_environ", "seat"]
+__all__ = ["ORPHANS_PORT", "Joining", "Seat", "job_environ", "seat"]
 
 #: The survivors' environment variables a replacement takes over (see :func:`job_environ`).
 FORWARDED_ENV_PREFIXES = ("LR_", "LIGHTNING_RECOVER_")
+#: A seat's context key, set when the orphans of a re-formed replica spawn its missing ranks
+#: (salvage with re-join): the port the replica connects to the survivors on, all its ranks at once.
+ORPHANS_PORT = "orphans_port"
 
 
 @dataclass(frozen=True)
 class Seat:
     """What a replacement is told when it is spawned (JSON in its argv)."""
 
-    #: Logical rank of each spawned process, in the order of the children's own world.
+    #: Logical rank of each process, in the order of the replacements' own communicator (a spawn's
+    #: world; a re-formed replica's orphans, then the ranks they spawned).
     ranks: tuple[int, ...]
     attempt: int
     #: Wall-clock time the spawn started (the replacement's start-up time is measured from it).

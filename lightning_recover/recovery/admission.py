@@ -169,7 +169,7 @@ def admit(job: RecoveryJob, attempt: JoinAttempt, *, dump: Callable[[], dict[str
 
     job.engine.run_collective(transfer)
     done = time.perf_counter()
-    joins = job.engine.admit([Join(r, transfer_s=done - grown, pause_s=done - started) for r in live()])
+    joins = job.engine.admit([Join(r, transfer_s=done - grown, pause_s=done - started, spawned=attempt.spawned) for r in live()])
     job.host.on_membership()
     lost_at = job.recruiter.lost_at
     since = "" if lost_at is None else f"; {time.time() - lost_at:.2f} s after the loss"

@@ -28,9 +28,15 @@ class Join:
     transfer_s: float | None = None
     #: Seconds the survivors were blocked by this join (merge + transfer), the join's cost to them.
     pause_s: float | None = None
+    #: Processes spawned to seat it: the replica's S ranks, fewer when salvage's orphans filled the rest, 0 for
+    #: orphans alone (None: not known).
+    spawned: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"replica": self.replica, "transfer_s": self.transfer_s, "pause_s": self.pause_s}
+        out: dict[str, Any] = {"replica": self.replica, "transfer_s": self.transfer_s, "pause_s": self.pause_s}
+        if self.spawned is not None:
+            out["spawned"] = self.spawned
+        return out
 
 
 @dataclass(frozen=True)

@@ -54,3 +54,9 @@ def test_the_launcher_exports_free_hosts_only_when_it_places_the_job() -> None:
 def test_the_leader_says_where_a_replacement_goes() -> None:
     assert spawn_placement(None, "c:1", 0).describe() == "on c:1"
     assert spawn_placement(None, None, 0).describe() == "on the launch's hosts (oversubscribed)"
+
+
+def test_a_placement_is_the_spawns_info_keys() -> None:
+    assert SpawnPlacement("n7,n8", oversubscribe=False).info_items("/job") == [("wdir", "/job"), ("bind_to", "none"), ("host", "n7,n8")]
+    assert SpawnPlacement(None, oversubscribe=True).info_items("/job") == [
+        ("wdir", "/job"), ("bind_to", "none"), ("map_by", ":OVERSUBSCRIBE")]

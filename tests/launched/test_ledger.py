@@ -258,12 +258,12 @@ def test_rejects_inconsistent_joins_and_keeps_exactly_once_on_join_steps(tmp_pat
     recs = [record(t) for t in range(6)]
     recs[1].update(replicas=[0, 1, 3], faults=[2])
     recs[2].update(replicas=[0, 1, 3])
-    recs[3].update(joined=[2], joins=[{"replica": 2, "transfer_s": 1.5, "pause_s": None}])
+    recs[3].update(joined=[2], joins=[{"replica": 2, "transfer_s": 1.5, "pause_s": None, "spawned": 1}])
     assert check_ledger(write(tmp_path / "ok.jsonl", recs)).ok
     bad = [dict(r) for r in recs]
     bad[3] = dict(bad[3], microbatch_ids=bad[3]["microbatch_ids"][:-1] + [bad[3]["microbatch_ids"][0]])
     bad[4] = dict(bad[4], joined=[1])  # replica 1 was live in step 3 and is no fault of step 4
-    bad[5] = dict(bad[5], replicas=[0, 1, 2], faults=[], joined=[3], joins=[{"replica": 0, "transfer_s": -1}])
+    bad[5] = dict(bad[5], replicas=[0, 1, 2], faults=[], joined=[3], joins=[{"replica": 0, "transfer_s": -1, "spawned": -2}])
     v = check_ledger(write(tmp_path / "bad.jsonl", bad))
     assert not v.ok and v.first_bad_step == 3
     assert v.problems == [
@@ -276,6 +276,7 @@ def test_rejects_inconsistent_joins_and_keeps_exactly_once_on_join_steps(tmp_pat
         "(a joiner takes a lost replica's index)",
         "step 5: joins are for replicas [0] but joined is [3]",
         "step 5: join of replica 0: transfer_s must be seconds >= 0 or null, got -1",
+        "step 5: join of replica 0: spawned must be a process count >= 0, got -2",
     ]
     v = check_ledger(write(tmp_path / "bad2.jsonl", [record(0, joined="2")]))
     assert v.problems == ["step 0: joined must be a list of replica indices, got '2'"]

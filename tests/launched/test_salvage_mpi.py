@@ -50,3 +50,21 @@ def test_a_lightning_job_ends_with_two_whole_replicas_from_orphans_alone(tmp_pat
     assert "waits for a seat in a re-formed replica" in err and "spawning" not in err, "no process is spawned"
     joins = joins_by_replica(ledger_lines(job))
     assert [j["ok"] for j in joins[1]] == [True], joins
+
+
+def test_with_rejoin_the_orphans_spawn_only_the_missing_rank(tmp_path: Path) -> None:
+    """Issue 37's second acceptance: 2 replicas x 2 shards with re-join and salvage, shard 1 of replica 1
+    SIGKILLed in step 2. Its mate waits as an orphan; the leader seats it with one spawned rank (1
+    process, not 2), the job is back to 2 replicas, the ledger's join record says so, and the run
+    is exact against the fault-free run."""
+    argv = ["--shards", "2", "--steps", "12", "--salvage", "--rejoin", "--slow-while-degraded", "1.0"]
+    job = train_worker(4, tmp_path, argv, [{"step": 2, "rank": 3, "phase": "backward", "kind": "kill"}], timeout=300)
+    assert job.returncode == 0, job.describe()
+    results = assert_reference_run(job, argv, 2)
+    assert sorted(results) == [0, 1, 2, 3] and all(r["alive"] == [0, 1] for r in results.values()), job.describe()
+    err = job.stderr
+    assert "re-join attempt 1: orphan rank(s) [2] re-form replica 1 (salvage: 1 process(es) spawned by the orphans, not 2" in err, \
+        job.describe()
+    assert "seated as rank 2 of a re-formed replica" in err and "spawning" not in err, job.describe()
+    joins = joins_by_replica(ledger_lines(job))
+    assert [(j["ok"], j["spawned"]) for j in joins[1]] == [(True, 1)], joins
