@@ -82,6 +82,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--faults", default="[]", help="recover/adaptive: FaultInjection schedule (JSON list)")
     ap.add_argument("--rejoin", action="store_true", help="recover: hot re-join (replacements for lost replicas)")
     ap.add_argument("--rejoin-standbys", type=int, default=0, help="recover: recover.rejoin_standbys (warm standbys)")
+    ap.add_argument("--salvage", action="store_true", help="recover: recover.salvage (a broken replica's live ranks wait as orphans)")
     ap.add_argument("--sdc-every", type=int, default=0, help="recover: silent-data-corruption check every N steps (0 = off)")
     ap.add_argument("--bucket-mb", type=float, default=None, help="recover: recover.bucket_mb (default: the strategy's)")
     ap.add_argument("--data-plane", default="mpi", help="recover: recover.data_plane (mpi, gloo)")
@@ -269,7 +270,8 @@ def main() -> None:
         strategy = ReCoVerHSDPStrategy(shards=args.shards, grad_accum=args.grad_accum,
                                        policy="static" if args.system == "recover" else "adaptive",
                                        ledger_path=args.out / "ledger.jsonl", seed=args.seed,
-                                       rejoin=args.rejoin, rejoin_backoff_s=1.0, rejoin_standbys=args.rejoin_standbys, sdc_every_n_steps=args.sdc_every,
+                                       rejoin=args.rejoin, rejoin_backoff_s=1.0, rejoin_standbys=args.rejoin_standbys, salvage=args.salvage,
+                                       sdc_every_n_steps=args.sdc_every,
                                        overlap=not args.no_overlap, sync_every_microbatch=args.sync_every_microbatch,
                                        data_plane=args.data_plane, replica_plane=args.replica_plane,
                                        **({} if args.bucket_mb is None else {"bucket_mb": args.bucket_mb}))

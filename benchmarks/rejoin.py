@@ -16,12 +16,22 @@ job's step ledger it prints, per join:
 
 Results go to ``benchmarks/results/rejoin.json``; the last line printed is the headline
 ``re-join: survivors blocked 0.09 s per join (0.26 of a step), state transfer 0.08 s; ...``.
+
+``python benchmarks/rejoin.py --salvage`` compares, in one run, the two ways a job with re-join
+gets a broken replica back (issue 37): two 4-rank jobs, 2 replicas x 2 shards, rank
+``--victim`` SIGKILLed in step ``--kill-step``. Without salvage the replica's live rank leaves
+through the gate and a whole replica (2 processes) is spawned; with ``recover.salvage`` it
+waits as an orphan and spawns only the missing rank (1 process). It prints, for each, the
+processes spawned (the ledger's join record) and the time from the kill to capacity back (the
+leader's "... s after the loss"); the last line is the ratio. Results go to
+``benchmarks/results/salvage.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -33,6 +43,9 @@ from proctree import become_subreaper  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "rejoin.json"
+SALVAGE_RESULTS = ROOT / "benchmarks" / "results" / "salvage.json"
+#: The leader's line when a join is done, with the time since the loss.
+CAPACITY_BACK = re.compile(r"replica\(s\) \[[0-9, ]+\] re-joined \(.*?; ([0-9.]+) s after the loss\)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,8 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--timeout", type=float, default=400)
-    p.add_argument("--out", type=Path, default=RESULTS)
-    return p.parse_args(argv)
+    p.add_argument("--out", type=Path, default=None, help=f"results (default {RESULTS}, with --salvage {SALVAGE_RESULTS})")
+    p.add_argument("--salvage", action="store_true", help="compare salvage's re-formed replica with a whole-replica re-join")
+    args = p.parse_args(argv)
+    if args.out is None:
+        args.out = SALVAGE_RESULTS if args.salvage else RESULTS
+    return args
 
 
 def summarize(ledger: list[dict], kill_step: int) -> dict:
@@ -74,8 +91,47 @@ def summarize(ledger: list[dict], kill_step: int) -> dict:
     return out
 
 
+def salvage_versus_whole(args: argparse.Namespace) -> int:
+    """Two 2 x 2 jobs with re-join, side by side: the whole replica spawned again, and salvage's orphan plus
+    its one spawned rank (module docstring)."""
+    faults = [{"step": args.kill_step, "rank": args.victim, "phase": "backward", "kind": "kill"}]
+    base = ["--system", "recover", "--rejoin", "--shards", "2", "--grad-accum", str(args.grad_accum), "--mbs", str(args.mbs),
+            "--steps", str(args.steps), "--size", args.size, "--faults", json.dumps(faults)]
+    print(f"salvage: 2 replicas x 2 shards with re-join, {args.steps} steps, rank {args.victim} killed in step {args.kill_step}",
+          flush=True)
+    rows: dict[str, dict] = {}
+    for name, extra in (("whole replica", []), ("salvage", ["--salvage"])):
+        work = Path(tempfile.mkdtemp(prefix="lr-salvage-"))
+        wait_quiet(5.0)
+        res = launch([*base, *extra], work, args.timeout)
+        ledger = [json.loads(line) for line in (work / "ledger.jsonl").read_text().splitlines()] if (work / "ledger.jsonl").exists() else []
+        back = CAPACITY_BACK.search((work / "job.log").read_text(errors="replace"))
+        joins = [j for line in ledger for j in line.get("joins", [])]
+        rows[name] = {"rc": res["rc"], "steps": len(ledger), "capacity_back_s": float(back.group(1)) if back else None,
+                      "spawned": joins[0].get("spawned") if joins else None, "pause_s": joins[0]["pause_s"] if joins else None,
+                      "transfer_s": joins[0]["transfer_s"] if joins else None, "work": str(work)}
+        r = rows[name]
+        if r["rc"] != 0 or r["steps"] != args.steps or r["capacity_back_s"] is None:
+            print(res["log_tail"][-3000:], file=sys.stderr)
+            print(f"salvage: the {name} run failed (exit {r['rc']}, {r['steps']}/{args.steps} steps, capacity back: "
+                  f"{r['capacity_back_s']}); its log is above")
+            return 1
+        print(f"  {name:>13}: {r['spawned']} process(es) spawned, capacity back {r['capacity_back_s']:.2f} s after the kill, "
+              f"survivors blocked {r['pause_s']:.3f} s, state transfer {r['transfer_s']:.3f} s", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"benchmark": "salvage", "config": {k: str(v) for k, v in vars(args).items()}, **rows}, indent=1))
+    print(f"wrote {args.out}")
+    whole, salvaged = rows["whole replica"], rows["salvage"]
+    print(f"salvage: capacity back {salvaged['capacity_back_s']:.2f} s after the kill with {salvaged['spawned']} process spawned, "
+          f"whole-replica re-join {whole['capacity_back_s']:.2f} s with {whole['spawned']}: "
+          f"{whole['capacity_back_s'] / salvaged['capacity_back_s']:.2f}x faster")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.salvage:
+        return salvage_versus_whole(args)
     work = Path(tempfile.mkdtemp(prefix="lr-rejoin-"))
     faults = [{"step": args.kill_step, "rank": args.victim, "phase": "backward", "kind": "kill"}]
     job = ["--system", "recover", "--rejoin", "--shards", "1", "--grad-accum", str(args.grad_accum), "--mbs", str(args.mbs),
