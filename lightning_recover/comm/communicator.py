@@ -77,6 +77,7 @@ from lightning_recover.comm.collectives import Collectives
 from lightning_recover.comm.data_plane import DATA_PLANES, DataPlane, FailedPlane, MPIDataPlane
 from lightning_recover.comm.interface import PeerFailure, RepairResult
 from lightning_recover.comm.lobby import Lobby, Orphaned
+from lightning_recover.comm.orphans import dismiss
 from lightning_recover.comm.repair_bound import RepairBound, repair_timeout
 from lightning_recover.comm.topology import RankLayout
 from lightning_recover.comm.ulfm import (
@@ -270,8 +271,8 @@ class FaultTolerantComm(Collectives):
         self.job_id = rows[0][4]  # a survivor's: the joiners come after them
         self.alive_replicas = tuple(self.layout.complete_replicas(self._ids))
         # Salvage: the joiners hold none of the earlier lobbies, and the recruiter's decision needs every
-        # member to see the same orphans; those still waiting are given up (their wait ends them).
-        self.lobbies.clear()
+        # member to see the same orphans; those still waiting are given up.
+        self.dismiss_orphans("a replica joined the world (waiting orphans are given up, docs/salvage.md)")
         self._open_plane()
         self._advance_fences()
         return True
@@ -475,6 +476,16 @@ class FaultTolerantComm(Collectives):
 
     def orphan_host(self, orphan: int) -> str:
         return self._procs[orphan][0]
+
+    def dismiss_orphans(self, reason: str) -> None:
+        """Give up every waiting orphan: the leader tells each to leave (else each would wait out
+        ``salvage_wait_s``, holding ``mpiexec`` open after training), and the lobbies go. An orphan
+        itself (no world) holds no lobby."""
+        if self.world is not None and self.is_leader:
+            for lobby in self.lobbies:
+                for orphan in lobby.orphans:
+                    dismiss(lobby, orphan, reason)
+        self.lobbies.clear()
 
     def forget_orphans(self, orphans: Sequence[int]) -> None:
         """Seated or gone: drop them from the lobbies, and free a lobby none waits on."""

@@ -38,12 +38,14 @@ import numpy as np
 from lightning_recover.comm.lobby import Lobby
 from lightning_recover.comm.ulfm import failure_classes, mpi
 
-__all__ = ["OrphanSeat", "await_seat", "connect_orphans", "send_seat"]
+__all__ = ["LEAVE", "OrphanSeat", "await_seat", "connect_orphans", "dismiss", "send_seat"]
 
 #: The leader's seat message to an orphan, on its lobby.
 TAG_ORPHAN_SEAT = 7310
 #: How often a waiting orphan looks at its lobby (it sleeps in between: no core taken).
 ORPHAN_POLL_S = 0.01
+#: The ``rank`` of a seat that tells an orphan to leave (training ended, or it was given up).
+LEAVE = -1
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,14 @@ def send_seat(lobby: Lobby, orphan: int, seat: OrphanSeat) -> None:
     MPI = mpi()
     data = np.frombuffer(seat.to_bytes(), dtype=np.uint8).copy()
     lobby.comm.Send([data, MPI.BYTE], dest=lobby.lobby_rank(orphan), tag=TAG_ORPHAN_SEAT)
+
+
+def dismiss(lobby: Lobby, orphan: int, reason: str) -> None:
+    """The leader: tell ``orphan`` to leave now, ``reason`` in its seat's place (its wait would end it later)."""
+    try:
+        send_seat(lobby, orphan, OrphanSeat(LEAVE, (), "", reason))
+    except mpi().Exception:
+        pass  # it died while it waited: nothing to tell
 
 
 def await_seat(lobby: Lobby, timeout_s: float) -> OrphanSeat | None:

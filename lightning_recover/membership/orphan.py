@@ -26,7 +26,7 @@ import traceback
 from typing import NoReturn
 
 from lightning_recover.comm.lobby import Orphaned
-from lightning_recover.comm.orphans import await_seat, connect_orphans
+from lightning_recover.comm.orphans import LEAVE, await_seat, connect_orphans
 from lightning_recover.membership import handshake
 from lightning_recover.membership.admission_timer import leave_after
 from lightning_recover.membership.replacement import run_seat
@@ -61,6 +61,8 @@ def _live_on(exc: Orphaned, rank: int, wait_s: float) -> NoReturn:
     msg = await_seat(exc.lobby, wait_s)
     if msg is None:
         lifecycle.gate_exit(rank, f"an orphan not seated within {wait_s:g} s (recover.salvage_wait_s)")
+    if msg.rank == LEAVE:
+        lifecycle.gate_exit(rank, f"an orphan not seated: {msg.seat}")
     seat = Seat.from_json(msg.seat)
     # From its seat on it is bounded like any replacement: a mate, a rank it spawns or the survivors may
     # die unreported and leave it in a connect or a spawn that never returns.

@@ -348,6 +348,7 @@ class Recruiter(WarmStandbys):
         for sb in [*self.pool, *self.seated]:
             self._dismiss(sb, "training ended")
         self.pool, self.seated = [], []
+        self.comm.dismiss_orphans("training ended")
 
     def _context(self) -> dict[str, Any]:
         """What a seat carries (:attr:`Seat.context`): the survivors' context, and when they lost the replica."""

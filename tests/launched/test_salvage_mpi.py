@@ -7,6 +7,7 @@ ends with 2 whole replicas, the orphans seated as replica 1.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -68,3 +69,20 @@ def test_with_rejoin_the_orphans_spawn_only_the_missing_rank(tmp_path: Path) -> 
     assert "seated as rank 2 of a re-formed replica" in err and "spawning" not in err, job.describe()
     joins = joins_by_replica(ledger_lines(job))
     assert [(j["ok"], j["spawned"]) for j in joins[1]] == [(True, 1)], joins
+
+
+def test_an_orphan_never_seated_leaves_when_training_ends(tmp_path: Path) -> None:
+    """Salvage without re-join, 2 x 2, one kill: no orphan completes the lost replica, so its mate waits to
+    the end of training and is then told to leave -- not after ``salvage_wait_s`` (300 s), which would
+    hold ``mpiexec`` open long after the survivors finished."""
+    argv = ["--shards", "2", "--steps", "8", "--salvage"]
+    started = time.monotonic()
+    job = train_worker(4, tmp_path, argv, [{"step": 2, "rank": 3, "phase": "backward", "kind": "kill"}], timeout=150)
+    wall_s = time.monotonic() - started
+    assert job.returncode == 0, job.describe()
+    results = assert_reference_run(job, argv, 2)
+    assert sorted(results) == [0, 1] and all(r["alive"] == [0] for r in results.values()), job.describe()
+    err = job.stderr
+    assert "waits for a seat in a re-formed replica" in err, job.describe()
+    assert "rank 2: replica-consistency gate: an orphan not seated: training ended" in err, job.describe()
+    assert wall_s < 120, f"the orphan held the job open: {wall_s:.0f} s\n{job.describe()}"
