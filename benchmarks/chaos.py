@@ -149,6 +149,7 @@ from lightning_recover.testing.chaos import (  # noqa: E402
     CUT_OFF_EXIT_BOUND_S,
     DETECTOR,
     REPAIR_BOUND_S,
+    SALVAGE_EVENTS,
     STALL_TIMEOUT_S,
     ChaosRun,
     Outcome,
@@ -241,11 +242,12 @@ def job(config_path: str, resume: bool = False) -> None:
         shards=cfg["shards"], grad_accum=cfg["grad_accum"], target_replicas=None if resume else cfg["target"], seed=cfg["seed"],
         ledger_path=out / "ledger.jsonl", bucket_mb=0.01,
         rejoin=cfg.get("rejoin", False), rejoin_backoff_s=0.5, rejoin_timeout_s=60.0, rejoin_standbys=cfg.get("standbys", 0),
+        salvage=cfg.get("salvage", False), salvage_wait_s=60.0,
         sdc_every_n_steps=1, sdc_action="repair",
         # Written in the foreground: a relaunch must find the step's checkpoint complete.
         **({"checkpoint_dir": ckpt_dir, "checkpoint_every_n_steps": 1, "checkpoint_async_save": False} if supervised else {}),
     )
-    slow = [slow_while_degraded(1.0)] if cfg.get("rejoin") else []
+    slow = [slow_while_degraded(1.0)] if cfg.get("rejoin") or cfg.get("salvage") else []
     trainer = L.Trainer(
         accelerator="cpu", devices=1, strategy=strategy, max_steps=cfg["steps"],
         callbacks=[FaultInjection(cfg["faults"] if attempt == 0 else []), *slow, *([fallback_checkpoint(ckpt_dir, 1)] if supervised else [])],
@@ -393,6 +395,7 @@ def execute(run: ChaosRun, outdir: Path, hang_timeout: float, bound_s: float) ->
     out.pauses = [p for line in ledger for p in line.get("pauses_s", [])]
     hung = {f["rank"] // run.shards for f in hit if f["kind"] in ("hang", "stuck")}
     out.detects = [max(line["detects_s"]) for line in ledger if hung & set(line["faults"]) and line.get("detects_s")]
+    out.salvage_events = [event for event, line in SALVAGE_EVENTS.items() if line in log_text]
     return out
 
 
@@ -689,17 +692,19 @@ def host_campaign(
 
 def campaign(
     runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, hangs: bool = True, stuck: bool = False,
-    joins: bool = False, corrupt: bool = False, terms: bool = False, standbys: int = 0,
+    joins: bool = False, corrupt: bool = False, terms: bool = False, standbys: int = 0, salvage: bool = False,
 ) -> list[Outcome]:
     rng = random.Random(seed)
     outcomes = []
     for i in range(runs):
-        run = draw_run(i, rng, steps, hangs=hangs, stuck=stuck, joins=joins, corrupt=corrupt, terms=terms)
+        run = draw_run(i, rng, steps, hangs=hangs, stuck=stuck, joins=joins, corrupt=corrupt, terms=terms, salvage=salvage)
         run.standbys = standbys if joins else 0
         res = execute(run, outdir / f"run{i:04d}", hang_timeout, bound_s)
         outcomes.append(res)
         status = "OK" if not res.violations else "VIOLATION: " + "; ".join(res.violations)
-        print(f"[{i + 1}/{runs}] {run.describe()} -> {res.recovered}/{res.fired} recovered in {res.seconds:.0f}s {status}", flush=True)
+        events = f" {{{', '.join(res.salvage_events)}}}" if res.salvage_events else ""
+        print(f"[{i + 1}/{runs}] {run.describe()}{events} -> {res.recovered}/{res.fired} recovered in {res.seconds:.0f}s {status}",
+              flush=True)
     return outcomes
 
 
@@ -729,6 +734,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--terms", action="store_true", help="half of the kills are SIGTERMs instead of SIGKILLs")
     ap.add_argument("--corrupt", action="store_true", help="one bit-flip corruption per run (silent data corruption)")
     ap.add_argument("--joins", action="store_true", help="hot re-join on, and faults on the replacements (needs --steps >= 30)")
+    ap.add_argument("--salvage", action="store_true",
+                    help="recover.salvage on, replicas of 2 shards: a broken replica's live ranks wait as orphans (needs --steps >= 30)")
     ap.add_argument("--standbys", type=int, default=0, metavar="N",
                     help="with --joins: N warm standbys (recover.rejoin_standbys); the replacements, and their faults, come from them")
     ap.add_argument("--hosts", type=int, default=0, metavar="N",
@@ -745,6 +752,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--standbys needs --joins (standbys serve re-joins)")
     if args.joins and not args.hosts and args.steps < 30:
         ap.error(f"--joins needs --steps >= 30 (a replacement takes seconds to start), got {args.steps}")
+    if args.salvage and args.steps < 30:
+        ap.error(f"--salvage needs --steps >= 30 (a seated orphan runs the script's set-up again), got {args.steps}")
+    if args.salvage and args.hosts:
+        ap.error("--salvage runs on one machine for now: --hosts N --salvage is not built yet (issue 37)")
     if args.hosts:
         if args.hosts < 2:
             ap.error(f"--hosts must be >= 2 (a host fault needs a host besides the head, where mpiexec runs), got {args.hosts}")
@@ -764,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         outcomes = campaign(
             args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, hangs=not args.no_hangs, stuck=args.stuck,
-            joins=args.joins, corrupt=args.corrupt, terms=args.terms, standbys=args.standbys,
+            joins=args.joins, corrupt=args.corrupt, terms=args.terms, standbys=args.standbys, salvage=args.salvage,
         )
     print(summary(outcomes))
     bad = any(o.violations or o.split_brain for o in outcomes)

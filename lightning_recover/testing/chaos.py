@@ -35,6 +35,14 @@ from typing import Any
 
 #: (replicas, shards, target replicas) that fit a 2-core machine.
 TOPOLOGIES: tuple[tuple[int, int, int | None], ...] = ((4, 1, None), (2, 2, None), (5, 1, 4), (3, 1, None), (4, 1, 3))
+#: ``--salvage``: replicas of 2 shards, so that a lost rank leaves an orphan (3 x 2: two broken replicas may re-form one).
+SALVAGE_TOPOLOGIES: tuple[tuple[int, int, int | None], ...] = ((2, 2, None), (3, 2, None), (3, 2, 2))
+#: What salvage did in a run, from the leader's and the orphans' lines (counted by the summary).
+SALVAGE_EVENTS: dict[str, str] = {
+    "replica re-formed from orphans alone": "(salvage: no process spawned)",
+    "replica completed by spawned ranks": "spawned by the orphans, not",
+    "orphan dismissed unseated": "an orphan not seated",
+}
 PHASES = ("forward", "backward", "reduce", "optimizer")
 
 
@@ -52,6 +60,8 @@ class ChaosRun:
     seed: int
     faults: list[dict[str, Any]] = field(default_factory=list)
     rejoin: bool = False
+    #: ``recover.salvage``: a broken replica's live ranks wait as orphans (``--salvage``).
+    salvage: bool = False
     #: Warm standbys kept with ``rejoin`` (``recover.rejoin_standbys``; a campaign setting, never drawn).
     standbys: int = 0
     #: Fake hosts the run uses (0: this machine, no fake hosts) and MPI slots on each.
@@ -74,7 +84,7 @@ class ChaosRun:
             for f in self.faults
         )
         where = f" on {self.hosts} hosts x {self.slots}" if self.hosts else ""
-        return f"{self.replicas}x{self.shards}{t}{where} G={self.grad_accum} B={self.B}{' rejoin' if self.rejoin else ''}{f' standbys={self.standbys}' if self.standbys else ''}: {fs}"
+        return f"{self.replicas}x{self.shards}{t}{where} G={self.grad_accum} B={self.B}{' rejoin' if self.rejoin else ''}{' salvage' if self.salvage else ''}{f' standbys={self.standbys}' if self.standbys else ''}: {fs}"
 
     def host_of(self, rank: int) -> int:
         """The fake host (index) ``rank`` runs on: Open MPI fills each host's slots in turn."""
@@ -89,16 +99,18 @@ JOIN_PHASES = ("join_startup", "join_transfer", "joined")
 
 def draw_run(
     index: int, rng: random.Random, steps: int, hangs: bool = True, stuck: bool = False, joins: bool = False, corrupt: bool = False,
-    terms: bool = False,
+    terms: bool = False, salvage: bool = False,
 ) -> ChaosRun:
     """One random run. A fifth of the faults are silent (SIGSTOP, or with ``stuck`` half of
     those spin in compute instead); ``stuck`` does not change the other draws of a seed.
     With ``terms`` half of the kills are SIGTERMs instead (mpiexec ending ranks, a node
     drained), which must cost what a kill costs; it too leaves the rest of the draw alone.
     ``joins`` turns re-join on and adds faults on replacements, ``corrupt`` adds one bit
-    flip (both drawn after the others, so the rest of a seed's draw is the same)."""
-    W, S, T = rng.choice(TOPOLOGIES)
-    run = ChaosRun(index, W, S, T, grad_accum=rng.randint(1, 3), steps=steps, seed=rng.randint(0, 2**31 - 1))
+    flip (both drawn after the others, so the rest of a seed's draw is the same). ``salvage``
+    turns salvage on and draws from :data:`SALVAGE_TOPOLOGIES`; with ``joins`` the replacement
+    faults then also hit seated orphans and the ranks they spawn (they run the script as replacements)."""
+    W, S, T = rng.choice(SALVAGE_TOPOLOGIES if salvage else TOPOLOGIES)
+    run = ChaosRun(index, W, S, T, grad_accum=rng.randint(1, 3), steps=steps, seed=rng.randint(0, 2**31 - 1), salvage=salvage)
     losses = rng.randint(1, W - 1)
     victims = rng.sample(range(W), losses)
     for n, replica in enumerate(victims):
@@ -417,6 +429,8 @@ class Outcome:
     #: Injected corruptions that fired, and how many of them the ledger shows detected.
     corruptions: int = 0
     corruptions_found: int = 0
+    #: ``--salvage``: which of :data:`SALVAGE_EVENTS` the run's log shows.
+    salvage_events: list[str] = field(default_factory=list)
     #: Runs on fake hosts: two sides trained (each entry says how it showed).
     split_brain: list[str] = field(default_factory=list)
     #: The host faults the harness applied ("KIND HOST ranks [...]").
@@ -519,6 +533,8 @@ def summary(outcomes: list[Outcome]) -> str:
             ("cut-off ranks that left (no quorum)", sum(o.cut_off_left for o in outcomes)),
             ("relaunches that found the job finished", sum(o.idle_relaunches for o in outcomes)),
         ]
+    if any(o.run.salvage for o in outcomes):
+        rows += [(f"salvage: {event}", sum(1 for o in outcomes if event in o.salvage_events)) for event in SALVAGE_EVENTS]
     if any(o.run.hosts and o.run.rejoin for o in outcomes):
         rows += [(f"fired: {kind}", sum(1 for o in outcomes if kind in o.join_kinds)) for kind in JOIN_DRAW_KINDS]
     if detects:

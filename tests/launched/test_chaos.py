@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_recover.testing.chaos import (
-    HOST_FAULT_KINDS, JOIN_DRAW_KINDS, JOIN_PHASES, PHASES, SECOND_HOST_FAULT_KINDS, SPARE_HOST, ChaosRun, Prediction, draw_host_join_run,
+    HOST_FAULT_KINDS, JOIN_DRAW_KINDS, JOIN_PHASES, PHASES, SALVAGE_TOPOLOGIES, SECOND_HOST_FAULT_KINDS, SPARE_HOST, ChaosRun, Prediction, draw_host_join_run,
     draw_host_run, draw_run, join_draw_kinds, last_relaunch_idle, predict,
 )
 from lightning_recover.callbacks.fault_injection import FaultSpec
@@ -64,6 +64,18 @@ def test_terms_replace_only_some_kills(seed: int, steps: int) -> None:
     for a, b in zip(plain.faults, mixed.faults):
         assert {**a, "kind": None} == {**b, "kind": None}  # same victim, step, phase, timing
         assert b["kind"] == a["kind"] or (a["kind"], b["kind"]) == ("kill", "term")
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), joins=st.booleans())
+def test_salvage_draws_break_replicas_of_two_shards(seed: int, joins: bool) -> None:
+    run = draw_run(0, random.Random(seed), 40, joins=joins, salvage=True)
+    assert run.salvage and run.rejoin is joins and (run.replicas, run.shards, run.target) in SALVAGE_TOPOLOGIES
+    assert all(s == 2 for _, s, _ in SALVAGE_TOPOLOGIES), "a replica of one shard leaves no orphan"
+    training = [f for f in run.faults if f["phase"] not in JOIN_PHASES]
+    victims = [f["rank"] // run.shards for f in training]
+    assert 1 <= len(victims) <= run.replicas - 1 and len(set(victims)) == len(victims)
+    assert "salvage" in run.describe()
 
 
 @pytest.mark.mpi
