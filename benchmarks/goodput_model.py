@@ -391,6 +391,7 @@ def simulate_replicas(
     rng: random.Random,
     throughput: Throughput = fluid_throughput,
     rate_scale: float = 1.0,
+    salvage: bool = False,
 ) -> ReplicaRun:
     """Simulate a system that continues through replica losses, over ``wall_s`` seconds.
 
@@ -398,6 +399,13 @@ def simulate_replicas(
     replica and kills it if it is up (then it is down for ``repair_s`` and re-joins). Each loss
     stalls the job for ``pause_s``, each re-join for ``rejoin_pause_s``. Between stalls the job
     progresses at ``rate_scale * throughput(alive, n_replicas)``.
+
+    ``salvage`` (lightning-recover's ``recover.salvage``): a failure takes one GPU, of a uniform
+    shard index; the replica's other GPUs wait as orphans, and whenever the orphans hold every
+    shard index a whole replica re-forms from them (a join: ``rejoin_pause_s``). The failed GPU
+    alone comes back after ``repair_s`` (re-join spawns only the missing rank), as an orphan of
+    its index. A failure of an orphan's GPU costs no pause (it was in no world); one of a GPU
+    in repair changes nothing.
     """
     w = _check_int("n_replicas", n_replicas, minimum=1)
     g = _check_int("gpus_per_replica", gpus_per_replica, minimum=1)
@@ -415,14 +423,15 @@ def simulate_replicas(
     t = work = paused = 0.0
     pause_until = 0.0
     alive = w
-    down: deque[float] = deque()  # repair completion times, in order (D is constant)
+    down: deque[tuple[float, int]] = deque()  # (repair completion time, shard index), in order (D is constant)
+    orphans = [0] * g  # salvage: waiting GPUs by shard index
     failures = rejoins = 0
     running = frac_time = full_time = 0.0
     min_alive = w
     rate = scale * throughput(alive, w)
     next_fail = _expo(rng, fail_mean)
     while True:
-        next_rep = down[0] if down else math.inf
+        next_rep = down[0][0] if down else math.inf
         t_next = min(next_fail, next_rep, wall)
         start = max(t, pause_until)
         if t_next > start:
@@ -439,18 +448,34 @@ def simulate_replicas(
         if t >= wall:
             break
         if next_rep <= next_fail:
-            down.popleft()
-            alive += 1
-            rejoins += 1
-            pause_until = max(pause_until, t) + pr
+            _, shard = down.popleft()
+            if salvage:
+                orphans[shard] += 1
+            else:
+                alive += 1
+                rejoins += 1
+                pause_until = max(pause_until, t) + pr
         else:
             if rng.random() * w < alive:  # the failed GPU belongs to a replica that is up
                 alive -= 1
                 failures += 1
                 min_alive = min(min_alive, alive)
-                down.append(t + d)
+                shard = rng.randrange(g) if salvage else 0
+                for s in range(g) if salvage else ():
+                    orphans[s] += s != shard
+                down.append((t + d, shard))
                 pause_until = max(pause_until, t) + p
+            elif salvage and (hit := rng.random() * (w - alive) * g) < sum(orphans):
+                shard = next(s for s in range(g) if (hit := hit - orphans[s]) < 0)
+                orphans[shard] -= 1  # an orphan's GPU: no world to pause
+                down.append((t + d, shard))
             next_fail = t + _expo(rng, fail_mean)
+        while salvage and min(orphans) > 0:  # the orphans hold every shard index: a replica re-forms
+            for s in range(g):
+                orphans[s] -= 1
+            alive += 1
+            rejoins += 1
+            pause_until = max(pause_until, t) + pr
         rate = scale * throughput(alive, w)
     return ReplicaRun(
         goodput=min(1.0, work / wall),  # min: float rounding of the summed intervals
@@ -554,6 +579,9 @@ class JobResult:
     extra: dict[str, Any] = field(default_factory=dict)
     #: FT-HSDP: ``ft_hsdp_pause_s`` per failure, a shrinking batch (None when not simulated).
     ft_hsdp: Stat | None = None
+    #: ReCoVer with ``recover.salvage`` (:func:`simulate_replicas`), with re-join and without (None: not simulated).
+    recover_salvage: Stat | None = None
+    recover_salvage_no_rejoin: Stat | None = None
 
     @property
     def ratio(self) -> float:
@@ -594,7 +622,7 @@ def simulate_job(gpus: int, params: ModelParams, wall_s: float, reps: int, seed:
     tau = checkpoint_interval(params.interval, params.checkpoint_s, m_job)
     thr = quantised_throughput(params.grad_accum) if params.grad_accum else fluid_throughput
     rejoins = not math.isinf(params.repair_s)
-    cr, aw, rc, rc_shrink, ft = [], [], [], [], []
+    cr, aw, rc, rc_shrink, ft, sv, sv_shrink = [], [], [], [], [], [], []
     for rep in range(reps):
         ft.append(
             simulate_replicas(
@@ -620,16 +648,17 @@ def simulate_job(gpus: int, params: ModelParams, wall_s: float, reps: int, seed:
                 rate_scale=1.0 - params.recover_overhead,
             )
         )
-        if rejoins:
-            rc.append(
-                simulate_replicas(
-                    w, g, params.gpu_mtbf_s, params.recover_pause_s, params.repair_s, params.recover_join_pause_s,
-                    wall_s, make_rng(seed, "rc", gpus, rep), throughput=thr,
-                    rate_scale=1.0 - params.recover_overhead,
+        for repair, runs, salvage in ((params.repair_s, rc, False), (params.repair_s, sv, True), (math.inf, sv_shrink, True)):
+            if rejoins or repair == math.inf:
+                runs.append(
+                    simulate_replicas(
+                        w, g, params.gpu_mtbf_s, params.recover_pause_s, repair, params.recover_join_pause_s,
+                        wall_s, make_rng(seed, "rc", gpus, rep), throughput=thr,
+                        rate_scale=1.0 - params.recover_overhead, salvage=salvage,
+                    )
                 )
-            )
     if not rejoins:  # repair_s = inf: the system with re-join is the one without
-        rc = rc_shrink
+        rc, sv = rc_shrink, sv_shrink
     daly = daly_goodput(m_job, tau, params.checkpoint_s, params.restart_s)
     first = max(0.0, 1.0 - first_order_waste(m_job, tau, params.checkpoint_s, params.restart_s))
     est, est_shrink = (
@@ -657,6 +686,8 @@ def simulate_job(gpus: int, params: ModelParams, wall_s: float, reps: int, seed:
         recover_no_rejoin_estimate=est_shrink if params.grad_accum == 0 else math.nan,
         failures_per_run=statistics.fmean(r.failures for r in rc),
         ft_hsdp=Stat.of([r.goodput for r in ft]),
+        recover_salvage=Stat.of([r.goodput for r in sv]),
+        recover_salvage_no_rejoin=Stat.of([r.goodput for r in sv_shrink]),
         extra={
             "checkpoint_restart_failures_per_run": statistics.fmean(r.failures for r in cr),
             "checkpoint_restart_restart_s_per_run": statistics.fmean(r.restarts_s for r in cr),
@@ -665,6 +696,8 @@ def simulate_job(gpus: int, params: ModelParams, wall_s: float, reps: int, seed:
             "recover_rejoins_per_run": statistics.fmean(r.rejoins for r in rc),
             "recover_no_rejoin_paused_s_per_run": statistics.fmean(r.paused_s for r in rc_shrink),
             "recover_no_rejoin_live_fraction_min": statistics.fmean(r.batch_fraction_min for r in rc_shrink),
+            "recover_salvage_reformations_per_run": statistics.fmean(r.rejoins for r in sv),
+            "recover_salvage_no_rejoin_live_fraction_min": statistics.fmean(r.batch_fraction_min for r in sv_shrink),
             "recover_batch_fraction_mean": 1.0,  # constant B by construction
         },
     )

@@ -39,6 +39,11 @@ wall time (default 30), repeated ``--reps`` times (default 20), we compare
     ``pause_s`` of the ``joins`` recorded in the ``--pause-from`` ledger, or, when there is
     no ledger or it records no join, ``--rejoin-pause-s`` (default 5 s, assumed).
 
+  Both again **with salvage** (``recover.salvage=true``, issue 37): a failure takes one GPU of a
+  uniform shard index, the replica's other GPUs wait as orphans, and a replica re-forms from
+  orphans whenever they hold every shard index (a join pause each); with re-join only the
+  failed GPU comes back after ``--repair-min``, as an orphan. The last two table columns.
+
 AdaptiveWorld's replicas also come back after ``--repair-min``, each stalling it for
 ``--rejoin-pause-s`` (a communicator rebuild). ``--repair-min inf`` makes both ReCoVer
 columns the system without re-join. Goodput is useful work / wall time, as a fraction of
@@ -72,6 +77,7 @@ from goodput_model import (  # noqa: E402
     HOUR,
     JobResult,
     ModelParams,
+    Stat,
     pause_from_ledger,
     rejoin_pause_from_ledger,
     simulate_job,
@@ -248,10 +254,10 @@ def _jsonable(x: Any) -> Any:
 
 def table(rows: list[JobResult]) -> list[str]:
     head1 = (f"{'':>7} {'':>6} {'':>9} {'':>8} | {'':>6} {'':>6} | {'torchft-like':^35} | {'FT-HSDP':>7} | "
-             f"{'ReCoVer, no re-join':^19} | {'ReCoVer, re-join':^19}").rstrip()
+             f"{'ReCoVer, no re-join':^19} | {'ReCoVer, re-join':^19} | {'+ salvage':^17}").rstrip()
     head = (f"{'GPUs':>7} {'repl.':>6} {'job MTBF':>9} {'CR tau':>8} | {'CR sim':>6} {'Daly':>6} | "
             f"{'goodput':>7} {'meanB':>8} {'minB':>7} {'@B':>6} | {'goodput':>7} | {'goodput':>7} {'/CR':>11} | "
-            f"{'goodput':>7} {'/CR':>11}")
+            f"{'goodput':>7} {'/CR':>11} | {'no rj':>8} {'re-join':>8}")
     out = [head1, head, "-" * len(head)]
     for r in rows:
         ft = r.ft_hsdp.mean if r.ft_hsdp is not None else math.nan
@@ -260,9 +266,14 @@ def table(rows: list[JobResult]) -> list[str]:
             f"{r.checkpoint_restart.mean:6.3f} {r.daly_goodput:6.3f} | "
             f"{r.adaptive.mean:7.3f} {100 * r.adaptive_batch_mean.mean:7.3f}% {100 * r.adaptive_batch_min.mean:6.2f}% "
             f"{100 * r.adaptive_full_batch_share.mean:5.1f}% | {ft:7.3f} | "
-            f"{r.recover_no_rejoin.mean:7.4f} {r.ratio_no_rejoin:10.2f}x | {r.recover.mean:7.4f} {r.ratio:10.2f}x"
+            f"{r.recover_no_rejoin.mean:7.4f} {r.ratio_no_rejoin:10.2f}x | {r.recover.mean:7.4f} {r.ratio:10.2f}x | "
+            f"{_mean(r.recover_salvage_no_rejoin):8.4f} {_mean(r.recover_salvage):8.4f}"
         )
     return out
+
+
+def _mean(stat: Stat | None) -> float:
+    return stat.mean if stat is not None else math.nan
 
 
 def inputs_table(inputs: list[dict[str, float]]) -> list[str]:
@@ -286,7 +297,8 @@ def headline(rows: list[JobResult], args: argparse.Namespace) -> str:
              f"{large.checkpoint_restart.mean:.3f}" if large.ft_hsdp is not None else "")
     return (f"ReCoVer over {args.days:g} days without / with re-join ({rejoin}): goodput "
             f"{large.recover_no_rejoin.mean:.3f} / {large.recover.mean:.3f} at {size_label(large.gpus)} GPUs "
-            f"({peers}); vs checkpoint-restart {', '.join(ratios)}")
+            f"({peers}); vs checkpoint-restart {', '.join(ratios)}; with salvage {_mean(large.recover_salvage_no_rejoin):.3f} / "
+            f"{_mean(large.recover_salvage):.3f}")
 
 
 def plot(rows: list[JobResult], path: Path, args: argparse.Namespace) -> None:
@@ -301,6 +313,8 @@ def plot(rows: list[JobResult], path: Path, args: argparse.Namespace) -> None:
         (f"ReCoVer with re-join ({args.recover_rejoin_pause_s:.3g} s join pause)", [r.recover for r in rows],
          "tab:green", "o"),
         ("ReCoVer without re-join (world only shrinks)", [r.recover_no_rejoin for r in rows], "tab:olive", "D"),
+        ("ReCoVer with salvage, without re-join (orphans re-form replicas)",
+         [r.recover_salvage_no_rejoin or r.recover_no_rejoin for r in rows], "tab:cyan", "P"),
         (f"torchft-like ({args.adaptive_timeout_s:g} s timeout, shrinking B)", [r.adaptive for r in rows], "tab:orange", "s"),
         (f"FT-HSDP ({args.ft_hsdp_pause_s:g} s stall, shrinking B)", [r.ft_hsdp for r in rows], "tab:purple", "v"),
         ("checkpoint-restart (Young/Daly tau)" if args.interval == "young" else "checkpoint-restart (Daly tau)",

@@ -157,6 +157,21 @@ def test_recover_join_pause_is_recovers_own() -> None:
     assert never.recover == never.recover_no_rejoin and never.ratio == never.ratio_no_rejoin
 
 
+def test_salvage_reforms_replicas_from_orphans() -> None:
+    # Without re-join, a lost replica never comes back whole, but orphans of different shard
+    # indices re-form one: salvage keeps most of the capacity the plain system loses.
+    r = simulate_job(10_240, ModelParams(), 30 * DAY, reps=4)
+    assert r.recover_salvage is not None and r.recover_salvage_no_rejoin is not None
+    assert r.recover_salvage_no_rejoin.mean > r.recover_no_rejoin.mean + 0.02, (r.recover_salvage_no_rejoin, r.recover_no_rejoin)
+    assert r.extra["recover_salvage_reformations_per_run"] > 0
+    assert r.recover_salvage.mean == pytest.approx(r.recover.mean, abs=2e-3), "with re-join both get the capacity back"
+    # One GPU per replica: no orphan is ever left, so a replica comes back only by repair.
+    run = simulate_replicas(16, 1, 200 * HOUR, 0.05, math.inf, 5.0, 30 * DAY, make_rng("salvage-g1"), salvage=True)
+    assert run.rejoins == 0 and run.batch_fraction_min == pytest.approx((16 - run.failures) / 16)
+    quiet = simulate_replicas(16, 8, math.inf, 0.05, 1800.0, 5.0, DAY, make_rng("quiet"), salvage=True)
+    assert quiet.goodput == 1.0 and quiet.failures == quiet.rejoins == 0
+
+
 def test_recover_without_rejoin_only_shrinks() -> None:
     run = simulate_replicas(16, 8, 200 * HOUR, 0.05, math.inf, 5.0, 30 * DAY, make_rng("norejoin"))
     assert run.rejoins == 0
@@ -340,7 +355,7 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     m = re.fullmatch(r"ReCoVer over 3 days without / with re-join \(after 30 min, 5 s join pause\): goodput "
                      r"(\d\.\d{3}) / (\d\.\d{3}) at 100k GPUs \(torchft-like \d\.\d{3}, FT-HSDP \d\.\d{3}, "
                      r"checkpoint-restart \d\.\d{3}\); vs checkpoint-restart (\d+\.\d\d)x / (\d+\.\d\d)x "
-                     r"at 1k GPUs, (\d+\.\d\d)x / (\d+\.\d\d)x at 100k GPUs", lines[-1])
+                     r"at 1k GPUs, (\d+\.\d\d)x / (\d+\.\d\d)x at 100k GPUs; with salvage (\d\.\d{3}) / (\d\.\d{3})", lines[-1])
     assert m, lines[-1]
     data = json.loads(out.read_text())
     assert [r["gpus"] for r in data["rows"]] == [1024, 100_000]
@@ -353,6 +368,7 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
         round(small["ratio_recover_over_checkpoint_restart"], 2),
         round(large["ratio_recover_no_rejoin_over_checkpoint_restart"], 2),
         round(large["ratio_recover_over_checkpoint_restart"], 2),
+        round(large["recover_salvage_no_rejoin"]["mean"], 3), round(large["recover_salvage"]["mean"], 3),
     ]
     assert fig.stat().st_size > 10_000
 
@@ -363,7 +379,7 @@ def test_cli_no_failures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert rc == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].endswith(
         "goodput 1.000 / 1.000 at 4k GPUs (torchft-like 1.000, FT-HSDP 1.000, checkpoint-restart 1.000); "
-        "vs checkpoint-restart 1.00x / 1.00x at 4k GPUs")
+        "vs checkpoint-restart 1.00x / 1.00x at 4k GPUs; with salvage 1.000 / 1.000")
 
 
 def test_recover_pause_and_overhead_come_from_measurements_per_job_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
