@@ -33,7 +33,7 @@ from lightning_recover.comm import mpi_wait
 from lightning_recover.comm.buckets import ReduceHandle, plan_buckets
 from lightning_recover.comm.data_plane import DataPlane, MPIDataPlane, native_dtypes, widened_dtypes
 from lightning_recover.comm.interface import PeerFailure
-from lightning_recover.comm.ulfm import mpi
+from lightning_recover.comm.ulfm import mpi, unblock_cid_allocation
 
 #: What a garbled object collective raises (see Collectives._garbled).
 UNPICKLING_ERRORS: tuple[type[BaseException], ...] = (MemoryError, OverflowError, EOFError, pickle.UnpicklingError)
@@ -184,8 +184,13 @@ class Collectives:
         return [int(v) for v in buf]
 
     def duplicate_world(self) -> MPI.Intracomm:
-        """A duplicate of the world (collective) with errors returned, for traffic apart from the step's."""
+        """A duplicate of the world (collective) with errors returned, for traffic apart from the step's.
+
+        Called with no other communicator creation of this process under way (a re-join attempt's
+        start; an earlier attempt's creation either ended or never returns): a creation an earlier
+        attempt's failure left marked would otherwise hold this one forever (:func:`unblock_cid_allocation`)."""
         MPI = mpi()
+        unblock_cid_allocation()
         try:
             dup = self.world.Dup()
         except MPI.Exception as exc:

@@ -87,6 +87,7 @@ from lightning_recover.comm.ulfm import (
     mpi,
     ulfm_available,
     ulfm_unavailable_message,
+    unblock_cid_allocation,
 )
 from lightning_recover.runtime import lifecycle
 
@@ -254,6 +255,7 @@ class FaultTolerantComm(Collectives):
         except MPI.Exception:
             ok = 0
         if not ok:
+            unblock_cid_allocation()  # the split may have failed on a dead member
             return False
         assert shard is not None
         shard.Set_errhandler(MPI.ERRORS_RETURN)

@@ -17,7 +17,10 @@ from types import ModuleType
 
 from lightning_recover.errors import RecoverError
 
-__all__ = ["FAILURE_CONFIRM_S", "ULFMUnavailableError", "failure_classes", "mpi", "ulfm_available", "ulfm_unavailable_message"]
+__all__ = [
+    "FAILURE_CONFIRM_S", "ULFMUnavailableError", "failure_classes", "mpi", "unblock_cid_allocation", "ulfm_available",
+    "ulfm_unavailable_message",
+]
 
 #: How long an MPI error that does not say "process failed" may take to show up as a known failure.
 FAILURE_CONFIRM_S = 5.0
@@ -28,6 +31,24 @@ def mpi() -> ModuleType:
     from mpi4py import MPI
 
     return MPI
+
+
+def unblock_cid_allocation() -> None:
+    """Undo what a communicator creation that failed on a dead peer leaves behind in Open MPI.
+
+    Open MPI 5.0.x orders concurrent communicator creations by their parent's context id: a
+    creation waits while another with a lower parent id is under way
+    (``ompi_comm_cid_lowest_id`` in ``ompi/communicator/comm_cid.c``). When the non-blocking
+    allreduce of a creation fails -- a member died, as in a spawn or a merge whose survivors
+    lost a rank meanwhile -- its error path returns without clearing that mark, and every later
+    creation from a parent with a higher id (``MPI_Comm_dup``, a split, a shrink) waits for it
+    forever (found by the re-join campaign: the lone survivor of a job that lost a rank during a
+    spawn hung in its next duplicate). A creation from a parent with a lower id goes first and,
+    on success, clears the mark: a duplicate of ``MPI_COMM_SELF`` (context id 1, below every
+    communicator a job creates) is such a creation, local and cheap. Call it only from the thread
+    that creates the next communicator, while no other creation of this process can be under way
+    (it would lift that creation's turn too)."""
+    mpi().COMM_SELF.Dup().Free()
 
 
 @functools.cache

@@ -90,6 +90,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lightning_recover.comm.orphans import OrphanSeat, send_seat
+from lightning_recover.comm.ulfm import unblock_cid_allocation
 from lightning_recover.membership.handshake import ABORT, GO, TAG_DECISION, TAG_HELLO, TAG_READY, TAG_SEAT, host_checksum
 from lightning_recover.membership.placement import SpawnPlacement, spawn_placement
 from lightning_recover.membership.salvage import Orphan, Reformation, plan_reformations
@@ -528,6 +529,10 @@ class Recruiter(WarmStandbys):
         if att is None:
             return
         self._end_attempt_port(att)
+        if att.thread is not None and not att.thread.is_alive():
+            # Its spawn or merge may have failed inside a communicator creation (a member died), which
+            # leaves Open MPI holding back the survivors' next one -- a repair's shrink included.
+            unblock_cid_allocation()
         if repaired:
             keeps_seat = att.standby is not None and att.standby.error is None and att.merged is not None
             if keeps_seat:
