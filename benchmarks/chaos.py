@@ -96,6 +96,16 @@ MPI's heartbeat detector watches only the launch's own world (a ring over MPI_CO
 never a spawn's, so nobody declares such a replacement dead and the supervisor's stall
 timeout ends the job and relaunches it (``relaunched by the supervisor`` names the cause).
 
+With ``--salvage`` (issue 37) salvage is on: on one machine (``--steps`` >= 30) the runs draw
+from replicas of 2 shards, so that a lost rank leaves an orphan, and with ``--joins`` the
+replacement faults also hit seated orphans and the ranks they spawn. With ``--hosts N
+--salvage`` (N >= 3, re-join on,
+:func:`lightning_recover.testing.chaos.draw_host_salvage_run`) a 2 x 2 job on hosts 0 and 1
+loses one rank of host 1 early: its mate waits as an orphan and spawns the missing rank onto
+the spare host, and in about half the runs a host fault later hits that replica (spanning
+hosts 1 and 2) on one of its hosts. The summary counts what salvage did (replicas re-formed
+from orphans alone, completed by spawned ranks, orphans dismissed unseated).
+
 Draws left out on purpose, and why: the head host is never a victim (losing it loses the
 job on any cluster); a cut where the rule lets the cut-off side go on instead of the
 head's (legal, but the cut-off side's daemon then answers to an mpiexec it cannot reach:
@@ -156,6 +166,7 @@ from lightning_recover.testing.chaos import (  # noqa: E402
     Prediction,
     read_attempts,
     draw_host_join_run,
+    draw_host_salvage_run,
     draw_host_run,
     draw_run,
     join_draw_kinds,
@@ -473,6 +484,7 @@ def execute_on_hosts(
         out.violations.append(f"did not finish within {bound_s:.0f}s")
         return out
     log_text = (outdir / "job.log").read_text(errors="replace")
+    out.salvage_events = [event for event, line in SALVAGE_EVENTS.items() if line in log_text]
     attempts = read_attempts(outdir)
     if not attempts:
         out.violations.append("the supervisor left no attempt's status directory")
@@ -660,15 +672,18 @@ def _let_cut_off_ranks_leave(cluster: Any, harness: Any) -> None:
 
 def host_campaign(
     runs: int, seed: int, outdir: Path, steps: int, hang_timeout: float, bound_s: float, n_hosts: int, hangs: bool = True,
-    two_host_faults: float = 0.0, joins: bool = False, standbys: int = 0,
+    two_host_faults: float = 0.0, joins: bool = False, standbys: int = 0, salvage: bool = False,
 ) -> list[Outcome]:
-    """``--hosts N`` (with ``joins``: ``--hosts N --joins``): the campaign on N fake hosts built once (module docstring)."""
+    """``--hosts N`` (with ``joins``: ``--hosts N --joins``; ``salvage``: ``--hosts N --salvage``): the campaign on N fake
+    hosts built once (module docstring)."""
     from lightning_recover.testing.fake_cluster import FakeCluster
     from lightning_recover.testing.fake_netns import cleanup_stale
     from lightning_recover.testing.host_faults import HostFaultHarness
 
     rng = random.Random(seed)
-    if joins:
+    if salvage:
+        draws = [draw_host_salvage_run(i, rng, steps, n_hosts) for i in range(runs)]
+    elif joins:
         draws = [draw_host_join_run(i, rng, steps, n_hosts, standbys=standbys) for i in range(runs)]
     else:
         draws = [draw_host_run(i, rng, steps, n_hosts, hangs=hangs, two_host_faults=two_host_faults) for i in range(runs)]
@@ -735,7 +750,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corrupt", action="store_true", help="one bit-flip corruption per run (silent data corruption)")
     ap.add_argument("--joins", action="store_true", help="hot re-join on, and faults on the replacements (needs --steps >= 30)")
     ap.add_argument("--salvage", action="store_true",
-                    help="recover.salvage on, replicas of 2 shards: a broken replica's live ranks wait as orphans (needs --steps >= 30)")
+                    help="recover.salvage on, replicas of 2 shards: a broken replica's live ranks wait as orphans (needs --steps >= 30; "
+                    "with --hosts N >= 3 and --steps >= 20, re-join on and the orphan's spawned rank on the spare host)")
     ap.add_argument("--standbys", type=int, default=0, metavar="N",
                     help="with --joins: N warm standbys (recover.rejoin_standbys); the replacements, and their faults, come from them")
     ap.add_argument("--hosts", type=int, default=0, metavar="N",
@@ -752,10 +768,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--standbys needs --joins (standbys serve re-joins)")
     if args.joins and not args.hosts and args.steps < 30:
         ap.error(f"--joins needs --steps >= 30 (a replacement takes seconds to start), got {args.steps}")
-    if args.salvage and args.steps < 30:
+    if args.salvage and not args.hosts and args.steps < 30:
         ap.error(f"--salvage needs --steps >= 30 (a seated orphan runs the script's set-up again), got {args.steps}")
-    if args.salvage and args.hosts:
-        ap.error("--salvage runs on one machine for now: --hosts N --salvage is not built yet (issue 37)")
+    if args.salvage and args.hosts and (args.hosts < 3 or args.steps < 20):
+        ap.error(f"--hosts N --salvage needs N >= 3 (the job on two hosts, a spare host for the spawned rank) and --steps >= 20, "
+                 f"got --hosts {args.hosts} --steps {args.steps}")
     if args.hosts:
         if args.hosts < 2:
             ap.error(f"--hosts must be >= 2 (a host fault needs a host besides the head, where mpiexec runs), got {args.hosts}")
@@ -770,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--two-host-faults must be a fraction in [0, 1], got {args.two_host_faults}")
         outcomes = host_campaign(
             args.runs, args.seed, Path(args.out), args.steps, args.hang_timeout, args.bound, args.hosts, hangs=not args.no_hangs,
-            two_host_faults=args.two_host_faults, joins=args.joins, standbys=args.standbys,
+            two_host_faults=args.two_host_faults, joins=args.joins, standbys=args.standbys, salvage=args.salvage,
         )
     else:
         outcomes = campaign(

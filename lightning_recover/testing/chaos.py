@@ -408,6 +408,45 @@ def draw_host_join_run(index: int, rng: random.Random, steps: int, n_hosts: int,
     return run, Prediction(True, (head,), host_lost=lost, rejoin=True)
 
 
+#: ``--hosts N --salvage``: 2 replicas x 2 shards on hosts 0 and 1 (two slots each), host :data:`SPARE_HOST` spare.
+HOST_SALVAGE_TOPOLOGY = (3, 2, 2, 2)
+#: Later host faults of a ``--hosts N --salvage`` run: on the spare host (the rank the orphan spawned there)
+#: or on host 1 (the seated orphan), each taking the re-formed replica that spans the two hosts.
+SALVAGE_HOST_KINDS = ("host_ranks_kill", "host_freeze", "host_partition")
+
+
+def draw_host_salvage_run(index: int, rng: random.Random, steps: int, n_hosts: int) -> tuple[ChaosRun, Prediction]:
+    """One run on fake hosts with salvage and re-join on: 2 replicas x 2 shards, replica 0 on host 0 (the head),
+    replica 1 on host 1, host :data:`SPARE_HOST` spare. Early on one rank of host 1 is SIGKILLed: its
+    mate waits as an orphan on host 1 and spawns the missing rank, which re-join places on the spare
+    host, so the re-formed replica spans hosts 1 and 2. In about half of the runs a host fault later
+    hits that replica on one of its two hosts (:data:`SALVAGE_HOST_KINDS`), triggered by its rank
+    there. The head's replica is never hit, so the rule always lets it go on in place."""
+    if n_hosts < 3:
+        raise ValueError(f"--hosts N --salvage needs N >= 3 (the job on two hosts and a spare host), got {n_hosts}")
+    if steps < 20:
+        raise ValueError(f"--hosts N --salvage needs --steps >= 20 (a seated orphan runs the script's set-up again), got {steps}")
+    H, slots, W, S = HOST_SALVAGE_TOPOLOGY
+    run = ChaosRun(index, W, S, None, grad_accum=rng.randint(1, 2), steps=steps, seed=rng.randint(0, 2**31 - 1),
+                   rejoin=True, salvage=True, hosts=H, slots=slots)
+    on_host1 = [r for r in range(run.world) if run.host_of(r) == 1]
+    lost = rng.choice(on_host1)
+    orphan = next(r for r in on_host1 if r != lost)
+    run.faults.append({"step": rng.randint(1, 3), "rank": lost, "phase": rng.choice(PHASES), "kind": "kill"})
+    if rng.random() < 0.5:
+        # The spawned replacement of ``lost`` runs on the spare host, the seated orphan on host 1.
+        trigger = rng.choice([lost, orphan])
+        run.faults.append({"step": rng.randint(steps - 8, steps - 3), "rank": trigger, "phase": rng.choice(PHASES),
+                           "kind": rng.choice(SALVAGE_HOST_KINDS)})
+    for f in run.faults:
+        if f["phase"] in ("forward", "backward"):
+            f["microbatch"] = 0
+        elif f["phase"] == "reduce":
+            f["bucket"] = 0
+    head = frozenset(r // S for r in range(run.world) if run.host_of(r) == 0)
+    return run, Prediction(True, (head,), rejoin=True)
+
+
 # ---------------------------------------------------------------------- judging
 @dataclass
 class Outcome:

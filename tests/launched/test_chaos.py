@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_recover.testing.chaos import (
-    HOST_FAULT_KINDS, JOIN_DRAW_KINDS, JOIN_PHASES, PHASES, SALVAGE_TOPOLOGIES, SECOND_HOST_FAULT_KINDS, SPARE_HOST, ChaosRun, Prediction, draw_host_join_run,
-    draw_host_run, draw_run, join_draw_kinds, last_relaunch_idle, predict,
+    HOST_FAULT_KINDS, JOIN_DRAW_KINDS, JOIN_PHASES, PHASES, SALVAGE_HOST_KINDS, SALVAGE_TOPOLOGIES, SECOND_HOST_FAULT_KINDS,
+    SPARE_HOST, ChaosRun, Prediction, draw_host_join_run, draw_host_run, draw_host_salvage_run, draw_run, join_draw_kinds,
+    last_relaunch_idle, predict,
 )
 from lightning_recover.callbacks.fault_injection import FaultSpec
 
@@ -76,6 +77,20 @@ def test_salvage_draws_break_replicas_of_two_shards(seed: int, joins: bool) -> N
     victims = [f["rank"] // run.shards for f in training]
     assert 1 <= len(victims) <= run.replicas - 1 and len(set(victims)) == len(victims)
     assert "salvage" in run.describe()
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(20, 40))
+def test_host_salvage_draws_break_host_1s_replica_and_spare_the_head(seed: int, steps: int) -> None:
+    run, pred = draw_host_salvage_run(0, random.Random(seed), steps, 3)
+    assert run.salvage and run.rejoin and (run.hosts, run.slots, run.replicas, run.shards) == (3, 2, 2, 2)
+    first, *later = run.faults
+    assert first["kind"] == "kill" and run.host_of(first["rank"]) == 1 and 1 <= first["step"] <= 3
+    for f in later:  # on the re-formed replica: its spawned rank (the lost rank's) or its seated orphan
+        assert f["kind"] in SALVAGE_HOST_KINDS and f["rank"] in (2, 3) and steps - 8 <= f["step"] <= steps - 3
+    assert pred.proceeds and pred.rejoin and pred.final == (frozenset({0}),), "the head's replica is never hit"
+    with pytest.raises(ValueError, match="N >= 3"):
+        draw_host_salvage_run(0, random.Random(seed), steps, 2)
 
 
 @pytest.mark.mpi
