@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 __all__ = ["admitted", "disarm", "is_admitted", "leave_after", "restart_timer"]
 
@@ -22,22 +23,27 @@ _BACKSTOP_S = 15
 
 
 _timer: threading.Timer | None = None
-_timer_args: tuple[float, str] | None = None
+_timer_args: tuple[float, str, Callable[[str], object] | None] | None = None
 
 
-def leave_after(seconds: float, rank_hint: str) -> threading.Timer:
+def leave_after(seconds: float, rank_hint: str, leave: Callable[[str], object] | None = None) -> threading.Timer:
     """Leave if not admitted within ``seconds``: a timer thread says why and exits; SIGALRM
     (its default action ends the process) backs it up, since a process stuck in MPI_Init --
     its survivors gone -- never gives the timer thread the interpreter. A second call
-    replaces the first timer."""
+    replaces the first timer. ``leave(reason)`` replaces the plain exit: a rank of the launch
+    (a seated orphan) must leave by a signal, as the gate does, since Open MPI answers a launch
+    rank's exit without ``MPI_Finalize`` by aborting the job."""
     global _timer, _timer_args
     if _timer is not None:
         _timer.cancel()
-    _timer_args = (seconds, rank_hint)
+    _timer_args = (seconds, rank_hint, leave)
 
     def expire() -> None:
         if not _admitted.is_set():
-            print(f"[lightning-recover] replacement {rank_hint}: not admitted after {seconds:g} s; leaving", file=sys.stderr, flush=True)
+            why = f"not admitted after {seconds:g} s"
+            if leave is not None:
+                leave(why)
+            print(f"[lightning-recover] replacement {rank_hint}: {why}; leaving", file=sys.stderr, flush=True)
             os._exit(0)
 
     timer = _timer = threading.Timer(seconds, expire)

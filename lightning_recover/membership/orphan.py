@@ -66,7 +66,8 @@ def _live_on(exc: Orphaned, rank: int, wait_s: float) -> NoReturn:
     seat = Seat.from_json(msg.seat)
     # From its seat on it is bounded like any replacement: a mate, a rank it spawns or the survivors may
     # die unreported and leave it in a connect or a spawn that never returns.
-    leave_after(float(seat.context.get("timeout_s", 120.0)), f"for rank {msg.rank} (orphan rank {rank})")
+    leave_after(float(seat.context.get("timeout_s", 120.0)), f"for rank {msg.rank} (orphan rank {rank})",
+                leave=lambda why: lifecycle.gate_exit(rank, f"a seated orphan {why} (recover.rejoin_timeout_s)"))
     connected = connect_orphans(msg)
     if connected is None:
         lifecycle.gate_exit(rank, "an orphan whose re-formed replica could not be merged (a mate or the survivors failed)")
