@@ -186,7 +186,8 @@ class FaultTolerantComm(Collectives):
         self.fault_hook: Callable[[str], None] | None = None
         #: ``recover.salvage``: a live rank of a broken replica waits as an orphan instead of leaving (comm/orphans.py).
         self.salvage = False
-        #: This process's rank in the launch's MPI_COMM_WORLD; -1 for a spawned replacement (never an orphan).
+        #: This process's rank in the launch's MPI_COMM_WORLD (a seated orphan's too); -1 for a spawned replacement
+        #: (never an orphan: its mates could not name it in the launch's group).
         self.launch_rank = -1
         # logical rank -> launch rank, for the members that are the launch's own processes.
         self._launch_ranks: dict[int, int] = {}
@@ -203,12 +204,18 @@ class FaultTolerantComm(Collectives):
         data_plane: str = "mpi",
         plane_timeout_s: float = DEFAULT_PLANE_TIMEOUT_S,
     ) -> FaultTolerantComm:
-        """A replacement rank's communicator: it has no world until :meth:`grow` installs the merged one."""
+        """A replacement rank's communicator: it has no world until :meth:`grow` installs the merged one.
+
+        A seated orphan (salvage) is still a process of the launch -- it has no parent, unlike
+        every spawned replacement -- and keeps its launch rank: it may be orphaned again."""
         if not ulfm_available():
             raise ULFMUnavailableError(ulfm_unavailable_message())
         self = cls.__new__(cls)
         self._setup(layout, rank, bucket_bytes, data_plane, plane_timeout_s)
         self.world = self.shard_comm = None  # type: ignore[assignment]
+        MPI = mpi()
+        if MPI.Comm.Get_parent() == MPI.COMM_NULL:
+            self.launch_rank = MPI.COMM_WORLD.Get_rank()
         return self
 
     def grow(self, merged: MPI.Intracomm | None, *, deadline: float | None = None) -> bool:

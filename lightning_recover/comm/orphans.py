@@ -20,8 +20,9 @@ replica (:func:`lightning_recover.membership.salvage.plan_reformations`)::
              first) and grow the world (:meth:`~FaultTolerantComm.grow`): the replica is whole again
 
 An orphan only names its mates through the launch's world group, so only ranks of the
-launch's own processes become orphans (``FaultTolerantComm.launch_rank``); a replacement
-whose replica breaks leaves through the gate as before. Nothing here imports torch.
+launch's own processes become orphans (``FaultTolerantComm.launch_rank``; a seated orphan
+is one, and may be orphaned again); a spawned replacement whose replica breaks leaves
+through the gate as before. Nothing here imports torch.
 """
 
 from __future__ import annotations

@@ -86,3 +86,21 @@ def test_an_orphan_never_seated_leaves_when_training_ends(tmp_path: Path) -> Non
     assert "waits for a seat in a re-formed replica" in err, job.describe()
     assert "rank 2: replica-consistency gate: an orphan not seated: training ended" in err, job.describe()
     assert wall_s < 120, f"the orphan held the job open: {wall_s:.0f} s\n{job.describe()}"
+
+
+def test_a_seated_orphan_is_orphaned_again_and_seated_again(tmp_path: Path) -> None:
+    """2 x 2 with re-join and salvage: rank 3 SIGKILLed in step 2, its mate (rank 2) seated again with one
+    spawned rank; that spawned rank SIGKILLed in the first step after it joined. Rank 2 -- still a
+    process of the launch -- waits as an orphan a second time and is seated again with a second
+    spawned rank: every join spawns 1 process, and the run is exact."""
+    argv = ["--shards", "2", "--steps", "16", "--salvage", "--rejoin", "--slow-while-degraded", "1.0"]
+    faults = [{"step": 2, "rank": 3, "phase": "backward", "kind": "kill"}, {"step": 1, "rank": 3, "phase": "joined", "kind": "kill"}]
+    job = train_worker(4, tmp_path, argv, faults, timeout=300)
+    assert job.returncode == 0, job.describe()
+    results = assert_reference_run(job, argv, 2)
+    assert sorted(results) == [0, 1, 2, 3] and all(r["alive"] == [0, 1] for r in results.values()), job.describe()
+    err = job.stderr
+    assert err.count("rank 2: replica 1 lost rank(s) [3]: rank 2 waits as an orphan") == 2, job.describe()
+    assert err.count("seated as rank 2 of a re-formed replica") == 2, job.describe()
+    joins = joins_by_replica(ledger_lines(job))
+    assert [j["spawned"] for j in joins[1]] == [1, 1] and joins[1][-1]["ok"], joins
