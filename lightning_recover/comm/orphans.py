@@ -60,7 +60,7 @@ class OrphanSeat:
     members: tuple[int, ...]
     port: str
     seat: str = ""
-    #: ``python ARGS`` of each spawned rank, one process per entry of ``spawn_count``; empty: none.
+    #: The arguments of ``python`` that each spawned rank runs, and how many ranks to spawn (0: none).
     spawn_args: tuple[str, ...] = ()
     spawn_count: int = 0
     spawn_info: tuple[tuple[str, str], ...] = ()
