@@ -68,6 +68,13 @@ daemon thread behind: the attempt is dropped by its timeout, bounded by the atte
 Drops caused by the survivors' own repair (any attempt) are not failures: no backoff, not
 counted against ``rejoin_attempts``.
 
+**Salvage** (``recover.salvage``): before any spawn, the leader may decide SEAT_ORPHANS: the
+orphans that waiting broken replicas left (:mod:`lightning_recover.membership.salvage` plans
+which) are seated as a lost replica on a port every survivor accepts on, like a standby; with
+re-join on they first spawn the ranks no orphan holds themselves (1 process for one lost GPU,
+not S; :mod:`lightning_recover.comm.orphans`). From the merge on, such an attempt is admitted,
+dropped and fenced like any other.
+
 Here: :class:`Recruiter`, which runs every attempt on every survivor (START, ADMIT, DROP),
 and :class:`JoinAttempt`, one attempt's state. The rest of re-join is in its own modules:
 the replacement's seat (:mod:`~lightning_recover.membership.seat`), the messages and the
