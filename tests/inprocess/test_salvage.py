@@ -105,3 +105,18 @@ def test_the_salvage_settings_are_off_by_default_and_refuse_bad_values_by_name()
     for bad in (0, -1, float("inf"), "soon"):
         with pytest.raises(ConfigurationError, match=r"salvage_wait_s.*set recover.salvage_wait_s"):
             RecoverConfig(salvage_wait_s=bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rank=st.integers(-1, 64), members=st.lists(st.integers(0, 64), max_size=8), port=st.text(max_size=40),
+       args=st.lists(st.text(max_size=20), max_size=6), count=st.integers(0, 8),
+       info=st.lists(st.tuples(st.text(min_size=1, max_size=10), st.text(max_size=20)), max_size=4))
+def test_an_orphan_seat_reads_back_what_the_leader_sent(rank: int, members: list[int], port: str, args: list[str], count: int,
+                                                        info: list[tuple[str, str]]) -> None:
+    from lightning_recover.comm.orphans import LEAVE, OrphanSeat
+
+    seat = OrphanSeat(rank, tuple(members), port, '{"ranks": [2]}', tuple(args), count, tuple(info))
+    assert OrphanSeat.from_bytes(seat.to_bytes()) == seat
+    # A seat from a leader without the spawn fields (orphans alone) still reads, with nothing to spawn.
+    plain = OrphanSeat.from_bytes(b'{"rank": 3, "members": [4, 3], "port": "p", "seat": ""}')
+    assert plain.spawn_count == 0 and plain.spawn_args == () and plain.spawn_info == () and plain.rank != LEAVE
