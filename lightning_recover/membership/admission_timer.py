@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-__all__ = ["admitted", "disarm", "is_admitted", "leave_after", "restart_timer"]
+__all__ = ["admitted", "disarm", "is_admitted", "leave_after", "left_the_world", "restart_timer"]
 
 _BACKSTOP_S = 15
 
@@ -78,6 +78,12 @@ def admitted() -> None:
     """The strategy's signal that this replacement joined the world."""
     _admitted.set()
     signal.alarm(0)
+
+
+def left_the_world() -> None:
+    """This process is out of the world again (a seated orphan orphaned a second time): its next admission
+    is timed and awaited as the first was."""
+    _admitted.clear()
 
 
 def is_admitted() -> bool:

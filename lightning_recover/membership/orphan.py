@@ -14,7 +14,9 @@ catch it -- and reaches the crash hook, where :func:`handle` takes over:
 3. it runs the user's script again, as a replacement of its seat
    (:func:`~lightning_recover.membership.replacement.run_seat`): the model and the Trainer are
    built again, the live state arrives over the state transfer, and training goes on. Its
-   interpreter, its imports and (on a GPU) its CUDA context are the ones it had.
+   interpreter, its imports and (on a GPU) its CUDA context are the ones it had;
+4. if that replica loses a mate in turn, the script's run raises ``Orphaned`` again and the
+   process goes back to 1 (it is still a process of the launch).
 
 The strategy installs :func:`handle` with :func:`arm` when salvage is on.
 """
@@ -23,12 +25,11 @@ from __future__ import annotations
 
 import sys
 import traceback
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from lightning_recover.comm.lobby import Orphaned
-from lightning_recover.comm.orphans import LEAVE, await_seat, connect_orphans
-from lightning_recover.membership import handshake
-from lightning_recover.membership.admission_timer import leave_after
+from lightning_recover.comm.lobby import Lobby, Orphaned
+from lightning_recover.comm.orphans import LEAVE, OrphanSeat, await_seat, connect_orphans
+from lightning_recover.membership import admission_timer, handshake
 from lightning_recover.membership.replacement import run_seat
 from lightning_recover.membership.seat import Seat
 from lightning_recover.runtime import lifecycle
@@ -56,9 +57,32 @@ def _live_on(exc: Orphaned, rank: int, wait_s: float) -> NoReturn:
     # Called from inside the crash hook, where an outer hook (torch's) may have swapped in a buffer
     # that only a dying process would leave behind: this one lives on, and its script prints too.
     sys.stderr = lifecycle.real_stderr()
-    print(f"[lightning-recover] rank {rank}: {exc}; it waits for a seat in a re-formed replica, at most {wait_s:g} s "
-          "(recover.salvage_wait_s)", file=sys.stderr, flush=True)
-    msg = await_seat(exc.lobby, wait_s)
+    while True:
+        print(f"[lightning-recover] rank {rank}: {exc}; it waits for a seat in a re-formed replica, at most {wait_s:g} s "
+              "(recover.salvage_wait_s)", file=sys.stderr, flush=True)
+        lobby = exc.lobby
+        # The old Trainer, model and job are held by the finished frames of the traceback: let them go.
+        traceback.clear_frames(exc.__traceback__)
+        del exc
+        seat, msg, team, merged = _seat(lobby, rank, wait_s)
+        print(f"[lightning-recover] rank {rank}: seated as rank {msg.rank} of a re-formed replica; the script runs again",
+              file=sys.stderr, flush=True)
+        try:
+            run_seat(seat, merged, list(sys.argv), children=team)
+        except Orphaned as again:
+            # Its re-formed replica lost a mate in turn: it is an orphan again (it is still a process of the launch).
+            admission_timer.left_the_world()
+            exc, rank = again, msg.rank
+            continue
+        except SystemExit as end:
+            code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
+            lifecycle.exit_now(code)
+        lifecycle.exit_now(0)
+
+
+def _seat(lobby: Lobby, rank: int, wait_s: float) -> tuple[Seat, OrphanSeat, Any, Any]:
+    """Wait on ``lobby`` for a seat, connect with the re-formed replica's other ranks and the survivors; or leave."""
+    msg = await_seat(lobby, wait_s)
     if msg is None:
         lifecycle.gate_exit(rank, f"an orphan not seated within {wait_s:g} s (recover.salvage_wait_s)")
     if msg.rank == LEAVE:
@@ -66,22 +90,12 @@ def _live_on(exc: Orphaned, rank: int, wait_s: float) -> NoReturn:
     seat = Seat.from_json(msg.seat)
     # From its seat on it is bounded like any replacement: a mate, a rank it spawns or the survivors may
     # die unreported and leave it in a connect or a spawn that never returns.
-    leave_after(float(seat.context.get("timeout_s", 120.0)), f"for rank {msg.rank} (orphan rank {rank})",
-                leave=lambda why: lifecycle.gate_exit(rank, f"a seated orphan {why} (recover.rejoin_timeout_s)"))
+    admission_timer.leave_after(float(seat.context.get("timeout_s", 120.0)), f"for rank {msg.rank} (orphan rank {rank})",
+                                leave=lambda why: lifecycle.gate_exit(rank, f"a seated orphan {why} (recover.rejoin_timeout_s)"))
     connected = connect_orphans(msg)
     if connected is None:
         lifecycle.gate_exit(rank, "an orphan whose re-formed replica could not be merged (a mate or the survivors failed)")
     team, merged = connected
     handshake.say_hello(merged)
     lifecycle.reseat(msg.rank)
-    print(f"[lightning-recover] rank {rank}: seated as rank {msg.rank} of a re-formed replica; the script runs again",
-          file=sys.stderr, flush=True)
-    # The old Trainer, model and job are held by the finished frames of the traceback: let them go.
-    traceback.clear_frames(exc.__traceback__)
-    del exc
-    try:
-        run_seat(seat, merged, list(sys.argv), children=team)
-    except SystemExit as end:
-        code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)
-        lifecycle.exit_now(code)
-    lifecycle.exit_now(0)
+    return seat, msg, team, merged

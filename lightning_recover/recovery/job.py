@@ -222,6 +222,7 @@ class RecoveryJob:
             layout, joining.rank, bucket_bytes=self.config.bucket_bytes, data_plane=self.config.data_plane,
             plane_timeout_s=self.config.timeout_s,
         )
+        self.comm.salvage = self.config.salvage  # a seated orphan may be orphaned again (FaultTolerantComm.joiner)
         self.joining = joining
         # The replica-local group among this replica's replacements (all spawned together).
         mates = joining.children.Split(layout.replica_of(joining.rank), layout.shard_of(joining.rank))

@@ -93,7 +93,7 @@ def test_a_seated_orphan_is_orphaned_again_and_seated_again(tmp_path: Path) -> N
     spawned rank; that spawned rank SIGKILLed in the first step after it joined. Rank 2 -- still a
     process of the launch -- waits as an orphan a second time and is seated again with a second
     spawned rank: every join spawns 1 process, and the run is exact."""
-    argv = ["--shards", "2", "--steps", "16", "--salvage", "--rejoin", "--slow-while-degraded", "1.0"]
+    argv = ["--shards", "2", "--steps", "26", "--salvage", "--rejoin", "--slow-while-degraded", "1.0"]
     faults = [{"step": 2, "rank": 3, "phase": "backward", "kind": "kill"}, {"step": 1, "rank": 3, "phase": "joined", "kind": "kill"}]
     job = train_worker(4, tmp_path, argv, faults, timeout=300)
     assert job.returncode == 0, job.describe()
