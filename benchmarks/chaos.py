@@ -699,7 +699,7 @@ def host_campaign(
                 end = f"relaunched x{res.relaunches} ({res.relaunch_cause}; cost {'; '.join(res.relaunch_costs) or '?'})"
             else:
                 end = "went on in place"
-            kinds = f" {{{', '.join(res.join_kinds)}}}" if res.join_kinds else ""
+            kinds = f" {{{', '.join([*res.join_kinds, *res.salvage_events])}}}" if res.join_kinds or res.salvage_events else ""
             print(f"[{run.index + 1}/{runs}] {run.describe()} [{'; '.join(res.host_faults)}]{kinds} -> {end}, "
                   f"{res.recovered}/{res.fired} recovered in {res.seconds:.0f}s {status}", flush=True)
     return outcomes
