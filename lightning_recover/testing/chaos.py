@@ -256,6 +256,15 @@ def predict(run: ChaosRun, flap_lost: bool = True) -> Prediction:
     return Prediction(True, (frozenset(alive),))
 
 
+def _first_microbatch_and_bucket(faults: list[dict[str, Any]]) -> None:
+    """Runs on fake hosts fault the first microbatch or bucket: every replica computes one in every step."""
+    for f in faults:
+        if f["phase"] in ("forward", "backward"):
+            f["microbatch"] = 0
+        elif f["phase"] == "reduce":
+            f["bucket"] = 0
+
+
 #: The kinds a run's second host fault is drawn from: neither a flap (its cost is unknown in advance) nor a
 #: host lost with its daemon (Open MPI aborts the job; the relaunch runs without faults).
 SECOND_HOST_FAULT_KINDS = ("host_ranks_kill", "host_freeze", "host_partition")
@@ -306,11 +315,7 @@ def draw_host_run(
                                "phase": rng.choice(PHASES), "kind": rng.choice(SECOND_HOST_FAULT_KINDS)})
         if len({f["step"] for f in run.faults}) < len(run.faults):
             continue  # each fault its own repair (predict)
-        for f in run.faults:
-            if f["phase"] in ("forward", "backward"):
-                f["microbatch"] = 0  # every replica computes a first microbatch in every step
-            elif f["phase"] == "reduce":
-                f["bucket"] = 0
+        _first_microbatch_and_bucket(run.faults)
         pred = predict(run)
         if pred.refused is not None:
             continue
@@ -398,11 +403,7 @@ def draw_host_join_run(index: int, rng: random.Random, steps: int, n_hosts: int,
         # by then (a run whose re-join never succeeded has nobody there to trigger it: not fired).
         run.faults.append({"step": rng.randint(steps - 8, steps - 3), "rank": lost_rank, "phase": rng.choice(PHASES),
                            "kind": rng.choice(SECOND_HOST_FAULT_KINDS)})
-    for f in run.faults:
-        if f["phase"] in ("forward", "backward"):
-            f["microbatch"] = 0
-        elif f["phase"] == "reduce":
-            f["bucket"] = 0
+    _first_microbatch_and_bucket(run.faults)
     head = frozenset(r // S for r in range(run.world) if run.host_of(r) == 0)
     lost = any(f["kind"] == "host_kill" for f in run.faults)
     return run, Prediction(True, (head,), host_lost=lost, rejoin=True)
@@ -438,11 +439,7 @@ def draw_host_salvage_run(index: int, rng: random.Random, steps: int, n_hosts: i
         trigger = rng.choice([lost, orphan])
         run.faults.append({"step": rng.randint(steps - 8, steps - 3), "rank": trigger, "phase": rng.choice(PHASES),
                            "kind": rng.choice(SALVAGE_HOST_KINDS)})
-    for f in run.faults:
-        if f["phase"] in ("forward", "backward"):
-            f["microbatch"] = 0
-        elif f["phase"] == "reduce":
-            f["bucket"] = 0
+    _first_microbatch_and_bucket(run.faults)
     head = frozenset(r // S for r in range(run.world) if run.host_of(r) == 0)
     return run, Prediction(True, (head,), rejoin=True)
 
