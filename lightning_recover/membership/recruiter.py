@@ -228,7 +228,8 @@ class Recruiter(WarmStandbys):
         """Whether this boundary needs the leader's decision (the same answer on every survivor)."""
         if self.attempt is not None:
             return True
-        if not self.missing:
+        # O(1) on the steady step (every replica live); the missing ones are listed only when some are.
+        if len(self.comm.alive_replicas) >= self.comm.layout.replicas:
             return False
         return self._may_spawn() or self._reformation(spawn=False) is not None
 

@@ -73,3 +73,15 @@ def test_during_backoff_nothing_is_spawned_not_even_to_complete_orphans() -> Non
 def test_a_lost_replica_with_no_orphan_is_spawned_whole() -> None:
     comm = FakeComm(RankLayout(4, 2), (0,))
     assert recruiter(comm, spawn=True)._decide(can_admit=True) == (START, COLD)
+
+
+def test_a_steady_boundary_does_not_list_the_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every replica live: the answer comes from a count, never from a pass over the layout's replicas.
+    comm = FakeComm(RankLayout(20_000, 2), tuple(range(10_000)))
+    r = recruiter(comm, spawn=True)
+
+    def listing(self: Recruiter) -> tuple[int, ...]:
+        raise AssertionError("missing was listed on a steady boundary")
+
+    monkeypatch.setattr(Recruiter, "missing", property(listing))
+    assert not r.active()
