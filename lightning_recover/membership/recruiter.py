@@ -231,22 +231,33 @@ class Recruiter(WarmStandbys):
         # O(1) on the steady step (every replica live); the missing ones are listed only when some are.
         if len(self.comm.alive_replicas) >= self.comm.layout.replicas:
             return False
-        return self._may_spawn() or self._reformation(spawn=False) is not None
+        return self._may_spawn() or self._reformation(spawn=False, seats=self.missing) is not None
 
     def _may_spawn(self) -> bool:
         """Whether re-join may spawn now (the same answer on every survivor: the leader's clock decides when)."""
         return self.spawn and self.failures_in_a_row < self.attempts
 
-    def _reformation(self, *, spawn: bool) -> Reformation | None:
-        """Salvage: the first lost replica that waiting orphans make whole again -- alone, or (``spawn``) with
-        spawned ranks for the shard indices none of them holds (every survivor's lobbies agree)."""
-        if not self.comm.lobbies:
-            return None
+    def _reformations(self, *, spawn: bool, seats: Sequence[int]) -> list[Reformation]:
+        """Salvage: the lost replicas of ``seats`` that waiting orphans make whole again -- alone, or (``spawn``)
+        with spawned ranks for the shard indices none of them holds (every survivor's lobbies agree)."""
+        if not self.comm.lobbies or not seats:
+            return []
         layout = self.comm.layout
         orphans = [Orphan(lobby.world_epoch, r, layout.shard_of(r), self.comm.orphan_host(r))
                    for lobby in self.comm.lobbies for r in lobby.orphans]
-        plans = plan_reformations(orphans, self.missing, layout.shards, spawn=spawn)
+        return plan_reformations(orphans, seats, layout.shards, spawn=spawn)
+
+    def _reformation(self, *, spawn: bool, seats: Sequence[int]) -> Reformation | None:
+        """The first of :meth:`_reformations`. Its orphans do not depend on ``seats`` (only the seat it takes
+        does), so the replica the leader broadcasts is all the others need to seat the same orphans."""
+        plans = self._reformations(spawn=spawn, seats=seats)
         return plans[0] if plans else None
+
+    def orphans_will_seat(self) -> set[int]:
+        """The leader's: the lost replicas waiting orphans re-form at the coming boundaries (a standby is not
+        seated on them: the orphans keep the healthy ranks working, and the standby stays for a replica no
+        orphan can help)."""
+        return {p.replica for p in self._reformations(spawn=self._may_spawn(), seats=self.unserved())}
 
     def boundary(self, can_admit: bool) -> JoinAttempt | None:
         """The leader's decision, applied on every survivor. Returns the attempt to admit now, if any.
@@ -256,10 +267,10 @@ class Recruiter(WarmStandbys):
         """
         if not self.active():
             return None
-        codes = self._decide(can_admit) if self.comm.is_leader else (NOTHING, COLD)
-        code, replica = self.comm.broadcast_codes(list(codes))
+        codes = self._decide(can_admit) if self.comm.is_leader else (NOTHING, COLD, 0)
+        code, replica, spawn = self.comm.broadcast_codes(list(codes))
         if code == SEAT_ORPHANS:
-            self._seat_orphans(spawn=bool(replica))
+            self._seat_orphans(replica, spawn=bool(spawn))
         elif code == START:
             self._start(replica)
         elif code == DROP:
@@ -268,27 +279,28 @@ class Recruiter(WarmStandbys):
             return self.attempt
         return None
 
-    def _decide(self, can_admit: bool) -> tuple[int, int]:
+    def _decide(self, can_admit: bool) -> tuple[int, int, int]:
+        """The leader's (code, replica, spawn): ``replica`` is the seat of a START of a standby or of
+        SEAT_ORPHANS (COLD: a cold spawn), ``spawn`` whether the re-formation may spawn ranks."""
         att = self.attempt
         spawn_now = self._may_spawn() and time.monotonic() >= self._next_try
-        if att is None and self._reformation(spawn=spawn_now) is not None:
-            # The second code says whether the re-formation may spawn, so every survivor plans alike.
-            return SEAT_ORPHANS, int(spawn_now)
+        if att is None and (plan := self._reformation(spawn=spawn_now, seats=self.unserved())) is not None:
+            return SEAT_ORPHANS, plan.replica, int(spawn_now)
         if att is None and not self.spawn:
-            return NOTHING, COLD
+            return NOTHING, COLD, 0
         if att is None:
             if self.serving_standbys():
                 # A seated standby whose script is ready is merged now; otherwise wait for one
                 # (a cold spawn now would only take cores from the standbys starting up).
                 ready = next((sb for sb in self.seated if len(sb.connecting) == self.shards), None)
-                return (START, ready.replica) if ready is not None and ready.replica is not None else (NOTHING, COLD)
-            return (START, COLD) if time.monotonic() >= self._next_try else (NOTHING, COLD)
+                return (START, ready.replica, 0) if ready is not None and ready.replica is not None else (NOTHING, COLD, 0)
+            return (START, COLD, 0) if time.monotonic() >= self._next_try else (NOTHING, COLD, 0)
         status = self._status(att)
         if status == "failed":
-            return DROP, COLD
+            return DROP, COLD, 0
         if status == "ready" and can_admit:
-            return ADMIT, COLD
-        return NOTHING, COLD
+            return ADMIT, COLD, 0
+        return NOTHING, COLD, 0
 
     def _status(self, att: JoinAttempt) -> str:
         """The leader's view of an attempt: "ready", "failed" or "waiting"."""
@@ -373,12 +385,13 @@ class Recruiter(WarmStandbys):
             info.Set(key, value)
         return info
 
-    def _seat_orphans(self, *, spawn: bool) -> None:
-        """Salvage: every survivor accepts the re-formed replica of the first re-formation on a duplicate of the
-        world (background thread); the leader sends each orphan its seat and the port on its lobby. The
-        orphans spawn the ranks no orphan fills themselves (``spawn``), and connect with them."""
+    def _seat_orphans(self, replica: int, *, spawn: bool) -> None:
+        """Salvage: every survivor accepts the first re-formation, seated as lost replica ``replica`` (the
+        leader's choice), on a duplicate of the world (background thread); the leader sends each orphan its
+        seat and the port on its lobby. The orphans spawn the ranks no orphan fills themselves (``spawn``),
+        and connect with them."""
         MPI = _mpi()
-        plan = self._reformation(spawn=spawn)
+        plan = self._reformation(spawn=spawn, seats=(replica,))
         assert plan is not None, "the leader decided SEAT_ORPHANS: every survivor's lobbies hold the same orphans"
         layout = self.comm.layout
         orphans = [m.rank for m in plan.orphans]

@@ -147,6 +147,8 @@ class WarmStandbys:
 
         def _spawn_info(self) -> Any: ...
 
+        def orphans_will_seat(self) -> set[int]: ...
+
     def serving_standbys(self) -> bool:
         """Whether this job's missing replicas come from standbys (else from cold spawns): the leader's view."""
         return self.standbys > 0 and (bool(self.pool) or bool(self.seated)) and self.standby_failures < self.attempts
@@ -166,17 +168,7 @@ class WarmStandbys:
                 sb.error = f"not warm {self.timeout_s:g} s after its spawn (recover.rejoin_timeout_s)"
             if sb.error is not None and (self.attempt is None or self.attempt.standby is not sb):
                 self._forget(sb, sb.error)
-        seated = {sb.replica for sb in self.seated}
-        if self.attempt is not None:
-            seated.update(self.attempt.replicas)
-        for r in self.missing:
-            if r in seated:
-                continue
-            idle = next((sb for sb in self.pool if len(sb.warm) == self.shards), None)
-            if idle is None:
-                self._promote_warming()
-                break
-            self._seat(idle, r)
+        self._seat_idle_standbys()
         started = 0
         # While the job sets up, every standby starts at once: their imports overlap the job's own
         # start-up, and a loss in the first steps finds them all ready or nearly (one after the other,
@@ -190,6 +182,29 @@ class WarmStandbys:
         if started and not training:
             print(f"[lightning-recover] {started} warm standby(s) starting while the job sets up (recover.rejoin_standbys)",
                   file=sys.stderr, flush=True)
+
+    def unserved(self) -> tuple[int, ...]:
+        """The leader's: lost replicas that neither a seated standby nor the open attempt serves."""
+        taken = {sb.replica for sb in self.seated}
+        if self.attempt is not None:
+            taken.update(self.attempt.replicas)
+        return tuple(r for r in self.missing if r not in taken)
+
+    def _seat_idle_standbys(self) -> None:
+        """Seat warm standbys on the lost replicas that have none, except those waiting orphans re-form
+        (salvage comes first: it keeps a broken replica's healthy ranks working)."""
+        if len(self.comm.alive_replicas) >= self.comm.layout.replicas:
+            return  # the steady step: nothing lost, and no pass over the replicas
+        unserved = self.unserved()
+        if unserved:
+            salvaged = self.orphans_will_seat()
+            unserved = tuple(r for r in unserved if r not in salvaged)
+        for r in unserved:
+            idle = next((sb for sb in self.pool if len(sb.warm) == self.shards), None)
+            if idle is None:
+                self._promote_warming()
+                break
+            self._seat(idle, r)
 
     def await_warm(self, limit_s: float) -> None:
         """The leader, before the first step: tend the standbys until every one is warm, at most ``limit_s``.

@@ -41,6 +41,21 @@ def test_a_plan_seats_lost_replicas_lowest_first_with_each_orphan_once(situation
     assert plan_reformations(shuffled, reversed(missing), shards, spawn=spawn) == plans
 
 
+@settings(max_examples=300, deadline=None)
+@given(situations(), st.booleans(), st.data())
+def test_the_first_plans_orphans_do_not_depend_on_the_seats_offered(situation, spawn: bool, data: st.DataObject) -> None:
+    # The recruiter relies on it: the leader plans over the lost replicas no standby serves and broadcasts
+    # only the seat; every other survivor plans over that one seat and must seat the same orphans.
+    orphans, missing, shards = situation
+    if not missing:
+        return
+    offered = data.draw(st.lists(st.sampled_from(missing), min_size=1, unique=True))
+    first = plan_reformations(orphans, offered, shards, spawn=spawn)
+    alone = plan_reformations(orphans, [missing[0]], shards, spawn=spawn)
+    assert [p.members for p in first[:1]] == [p.members for p in alone]
+    assert all(p.replica == min(offered) for p in first[:1])
+
+
 @settings(max_examples=500, deadline=None)
 @given(situations())
 def test_orphans_alone_form_as_many_whole_replicas_as_their_shards_allow_one_host_first(situation) -> None:

@@ -104,3 +104,20 @@ def test_a_seated_orphan_is_orphaned_again_and_seated_again(tmp_path: Path) -> N
     assert err.count("seated as rank 2 of a re-formed replica") == 2, job.describe()
     joins = joins_by_replica(ledger_lines(job))
     assert [j["spawned"] for j in joins[1]] == [1, 1] and joins[1][-1]["ok"], joins
+
+
+def test_with_warm_standbys_the_orphan_is_completed_and_the_standby_kept_for_a_replica_lost_whole(tmp_path: Path) -> None:
+    """Salvage, re-join and one warm standby, 2 x 2, shard 1 of replica 1 SIGKILLed in step 2: the orphan
+    (rank 2) and one spawned rank re-form replica 1 -- the healthy rank keeps working -- and the standby is
+    not seated on that replica too (it stays warm for a replica that no orphan can help); the run is
+    exact and the job ends by itself."""
+    argv = ["--shards", "2", "--steps", "12", "--salvage", "--rejoin", "--rejoin-standbys", "1", "--slow-while-degraded", "1.0"]
+    job = train_worker(4, tmp_path, argv, [{"step": 2, "rank": 3, "phase": "backward", "kind": "kill"}], timeout=300)
+    assert job.returncode == 0, job.describe()
+    results = assert_reference_run(job, argv, 2)
+    assert sorted(results) == [0, 1, 2, 3] and all(r["alive"] == [0, 1] for r in results.values()), job.describe()
+    err = job.stderr
+    assert "orphan rank(s) [2] re-form replica 1 (salvage: 1 process(es) spawned by the orphans, not 2" in err, job.describe()
+    assert "takes the seat of replica" not in err, f"a standby was seated on the replica the orphan re-forms\n{job.describe()}"
+    joins = joins_by_replica(ledger_lines(job))
+    assert [(j["ok"], j["spawned"]) for j in joins[1]] == [(True, 1)], joins
