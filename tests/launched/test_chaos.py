@@ -204,7 +204,6 @@ def test_predict_follows_the_quorum_rule() -> None:
 
 
 @pytest.mark.mpi
-@pytest.mark.serial
 def test_short_campaign_on_fake_hosts_has_no_violation(tmp_path: Path) -> None:
     # Seed 37 draws two supervised runs: an even split of 2 hosts x 2 (host 1 partitioned in a reduce:
     # the leader's side goes on in place, the cut-off ranks leave for want of quorum), and host 2 of 3

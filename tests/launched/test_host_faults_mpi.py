@@ -21,7 +21,7 @@ from lightning_recover.audit.ledger import read_ledger
 from lightning_recover.testing.fake_cluster import FakeCluster
 from harness.mpirun import MPIJob, assert_reference_run, train_worker
 
-pytestmark = [pytest.mark.mpi, pytest.mark.serial]
+pytestmark = pytest.mark.mpi
 
 #: Hosts that cannot report their own failure are found by Open MPI's heartbeat detector, as
 #: users switch it on: ``lightning-recover launch --mpi-detector --hang-timeout 5`` (a rank
