@@ -25,7 +25,7 @@ import statistics
 import sys
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -140,76 +140,56 @@ class RunReport:
     def render(self, source: str | None = None) -> str:
         """The human-readable report (what ``lightning-recover report`` prints)."""
         name = f"ledger {source}: " if source else ""
-        lines = [
-            f"{name}{self.steps} steps ({self.first_step}..{self.last_step}), B={self.B}, "
-            f"policy {self.policy}, {_s(self.wall_s)} in steps",
-            _row("replicas", f"{self.replicas_start} at start, {self.replicas_min} at least, "
-                             f"{self.replicas_end} at end"),
+        head = (f"{name}{self.steps} steps ({self.first_step}..{self.last_step}), B={self.B}, "
+                f"policy {self.policy}, {_s(self.wall_s)} in steps")
+        rows = [_row(label, text) for label, text in self._rows()]
+        return "\n".join([head, *rows, *(f"warning: {w}" for w in self.warnings)])
+
+    def _rows(self) -> list[tuple[str, str]]:
+        """The report's rows, (label, text), in the order printed."""
+        rows = [
+            ("replicas", f"{self.replicas_start} at start, {self.replicas_min} at least, {self.replicas_end} at end"),
+            ("faults", "none" if self.faults == 0 and self.recoveries == 0 else
+             f"{_n(self.faults, 'replica')} lost in {_n(self.faulted_steps, 'step')}"),
+            ("MTTR", self._mttr_text()),
+            ("detection", "no failed rounds" if self.detect_mean_s is None else
+             f"{_s(self.detect_mean_s)} mean per failed round ({_n(self.detections, 'round')}, max {_s(self.detect_max_s)})"),
+            ("MTBF", self._mtbf_text()),
+            ("replay ratio", f"{self.replay_ratio:.4f} ({self.replayed_microbatches} replayed of "
+                             f"{self.committed_microbatches} committed microbatches)"),
+            ("joins", self._joins_text()),
+            ("throughput", self._throughput_text()),
         ]
-        if self.faults == 0 and self.recoveries == 0:
-            lines.append(_row("faults", "none"))
-        else:
-            lines.append(_row("faults", f"{_n(self.faults, 'replica')} lost in {_n(self.faulted_steps, 'step')}"))
-        if self.mttr_s is None:
-            lines.append(_row("MTTR", "no recoveries"))
-        else:
-            per_fault = (
-                f"; {_s(self.pause_per_fault_s)} per lost replica" if self.pause_per_fault_s is not None else ""
-            )
-            lines.append(_row(
-                "MTTR",
-                f"{_s(self.mttr_s)} mean pause per recovery ({_n(self.recoveries, 'recovery', 'recoveries')}, "
-                f"max {_s(self.pause_max_s)}, {_s(self.paused_s)} in all{per_fault})",
-            ))
-        if self.detect_mean_s is None:
-            lines.append(_row("detection", "no failed rounds"))
-        else:
-            lines.append(_row(
-                "detection",
-                f"{_s(self.detect_mean_s)} mean per failed round ({_n(self.detections, 'round')}, "
-                f"max {_s(self.detect_max_s)})",
-            ))
-        if self.mtbf_s is None:
-            lines.append(_row("MTBF", f"no faults in {_s(self.wall_s)}"))
-        else:
-            gap = (
-                f"; {_s(self.fault_gap_mean_s)} mean between faulted steps"
-                if self.fault_gap_mean_s is not None else ""
-            )
-            lines.append(_row("MTBF", f"{_s(self.mtbf_s)} per lost replica{gap}"))
-        lines.append(_row(
-            "replay ratio",
-            f"{self.replay_ratio:.4f} ({self.replayed_microbatches} replayed of "
-            f"{self.committed_microbatches} committed microbatches)",
-        ))
-        if self.join_attempts == 0:
-            lines.append(_row("joins", "no joins"))
-        else:
-            transfer = (
-                f", {_s(self.join_transfer_mean_s)} mean state transfer"
-                if self.join_transfer_mean_s is not None else ""
-            )
-            lines.append(_row(
-                "joins",
-                f"{self.joins_ok} of {self.join_attempts} succeeded ({self.join_success_rate:.0%}){transfer}, "
-                f"{_s(self.join_pause_mean_s)} mean survivors' pause",
-            ))
-        if self.microbatches_per_s is None:
-            lines.append(_row("throughput", "no step time recorded"))
-        else:
-            samples = (
-                f" ({self.samples_per_s:.4g} samples/s at {self.microbatch_size} per microbatch)"
-                if self.samples_per_s is not None else ""
-            )
-            lines.append(_row(
-                "throughput",
-                f"{self.microbatches_per_s:.4g} microbatches/s{samples}; "
-                f"{self.unpaused_fraction:.1%} of the time not paused",
-            ))
         if self.steady_step_time_s is not None:
-            lines.append(_row("steady step", f"{_s(self.steady_step_time_s)} median without faults or joins"))
-        lines += [f"warning: {w}" for w in self.warnings]
-        return "\n".join(lines)
+            rows.append(("steady step", f"{_s(self.steady_step_time_s)} median without faults or joins"))
+        return rows
+
+    def _mttr_text(self) -> str:
+        if self.mttr_s is None:
+            return "no recoveries"
+        per_fault = f"; {_s(self.pause_per_fault_s)} per lost replica" if self.pause_per_fault_s is not None else ""
+        return (f"{_s(self.mttr_s)} mean pause per recovery ({_n(self.recoveries, 'recovery', 'recoveries')}, "
+                f"max {_s(self.pause_max_s)}, {_s(self.paused_s)} in all{per_fault})")
+
+    def _mtbf_text(self) -> str:
+        if self.mtbf_s is None:
+            return f"no faults in {_s(self.wall_s)}"
+        gap = f"; {_s(self.fault_gap_mean_s)} mean between faulted steps" if self.fault_gap_mean_s is not None else ""
+        return f"{_s(self.mtbf_s)} per lost replica{gap}"
+
+    def _joins_text(self) -> str:
+        if self.join_attempts == 0:
+            return "no joins"
+        transfer = f", {_s(self.join_transfer_mean_s)} mean state transfer" if self.join_transfer_mean_s is not None else ""
+        return (f"{self.joins_ok} of {self.join_attempts} succeeded ({self.join_success_rate:.0%}){transfer}, "
+                f"{_s(self.join_pause_mean_s)} mean survivors' pause")
+
+    def _throughput_text(self) -> str:
+        if self.microbatches_per_s is None:
+            return "no step time recorded"
+        samples = (f" ({self.samples_per_s:.4g} samples/s at {self.microbatch_size} per microbatch)"
+                   if self.samples_per_s is not None else "")
+        return f"{self.microbatches_per_s:.4g} microbatches/s{samples}; {self.unpaused_fraction:.1%} of the time not paused"
 
 
 def _n(count: int, noun: str, plural: str | None = None) -> str:
@@ -333,6 +313,73 @@ def _mean(xs: Sequence[float]) -> float | None:
     return math.fsum(xs) / len(xs) if xs else None
 
 
+@dataclass
+class _Totals:
+    """What one pass over the sorted records collects for :func:`summarize`."""
+
+    times: list[float]
+    committed: int
+    replayed: int
+    live: list[int]
+    pauses: list[float] = field(default_factory=list)
+    detects: list[float] = field(default_factory=list)
+    #: Ledger time at the start of each faulted step.
+    fault_starts: list[float] = field(default_factory=list)
+    joins: list[Join] = field(default_factory=list)
+    faults: int = 0
+    #: Step times of the steps without faults or joins.
+    undisturbed: list[float] = field(default_factory=list)
+
+
+def _totals(recs: Sequence[Mapping[str, Any]]) -> _Totals:
+    times = [float(r["step_time_s"]) for r in recs]
+    out = _Totals(times, sum(r["committed"] for r in recs), sum(r["extra_microbatches"] for r in recs),
+                  [len(r["replicas"]) for r in recs])
+    elapsed = 0.0
+    for rec, t in zip(recs, times):
+        where = f"step {rec['step']}"
+        listed = _seconds_list(rec, "pauses_s", where)
+        # Ledgers from before pauses_s carry the step's pause in recovery_s only.
+        step_pauses = listed if listed is not None else ([float(rec["recovery_s"])] if rec["recovery_s"] > 0 else [])
+        out.pauses += step_pauses
+        listed = _seconds_list(rec, "detects_s", where)
+        if listed is None and _is_seconds(rec.get("detect_s")) and rec["detect_s"] > 0:
+            listed = [float(rec["detect_s"])]
+        out.detects += listed or []
+        step_joins = _joins_of(rec, where)
+        out.joins += step_joins
+        if rec["faults"]:
+            out.faults += len(rec["faults"])
+            out.fault_starts.append(elapsed)
+        elif not step_pauses and not step_joins:
+            out.undisturbed.append(t)
+        elapsed += t
+    return out
+
+
+def _order_warnings(steps: Sequence[int]) -> list[str]:
+    """Steps twice or missing (the report still counts what is there; check-ledger says more)."""
+    warnings = []
+    dups = sorted(s for s, c in Counter(steps).items() if c > 1)
+    holes = [b for a, b in zip(steps, steps[1:]) if b > a + 1]
+    if dups:
+        warnings.append(f"steps {dups[:10]} appear more than once; their metrics count twice (run check-ledger)")
+    if holes:
+        warnings.append(f"steps are missing before step(s) {holes[:10]} (run check-ledger)")
+    return warnings
+
+
+def _unpaused_fraction(wall: float, paused: float, warnings: list[str]) -> float | None:
+    """1 - paused / wall, clipped at 0 (a warning when the pauses exceed the time); None without time."""
+    if wall <= 0:
+        return None
+    unpaused = 1.0 - paused / wall
+    # Sums of the same floats in another order differ in the last bits: equal is not "exceeds".
+    if unpaused < -1e-9:
+        warnings.append(f"the pauses ({paused:.3f} s) exceed the step time ({wall:.3f} s); the ledger's times are inconsistent")
+    return max(unpaused, 0.0)
+
+
 def summarize(records: Sequence[Mapping[str, Any]], microbatch_size: int | None = None) -> RunReport:
     """The recovery metrics of a run's ledger records (in any order; they are sorted by step).
 
@@ -348,100 +395,37 @@ def summarize(records: Sequence[Mapping[str, Any]], microbatch_size: int | None 
     # Sorted by step (stable), so the metrics do not depend on the order of the lines.
     recs = sorted(records, key=lambda r: r["step"])
     steps = [r["step"] for r in recs]
-    warnings: list[str] = []
-    dups = sorted(s for s, c in Counter(steps).items() if c > 1)
-    holes = [b for a, b in zip(steps, steps[1:]) if b > a + 1]
-    if dups:
-        warnings.append(f"steps {dups[:10]} appear more than once; their metrics count twice (run check-ledger)")
-    if holes:
-        warnings.append(f"steps are missing before step(s) {holes[:10]} (run check-ledger)")
-
-    times = [float(r["step_time_s"]) for r in recs]
-    wall = math.fsum(times)
-    committed = sum(r["committed"] for r in recs)
-    replayed = sum(r["extra_microbatches"] for r in recs)
-    live = [len(r["replicas"]) for r in recs]
-
-    pauses: list[float] = []
-    detects: list[float] = []
-    fault_starts: list[float] = []  # ledger time at the start of each faulted step
-    joins: list[Join] = []
-    elapsed = 0.0
-    faults = 0
-    undisturbed: list[float] = []
-    for rec, t in zip(recs, times):
-        where = f"step {rec['step']}"
-        listed = _seconds_list(rec, "pauses_s", where)
-        # Ledgers from before pauses_s carry the step's pause in recovery_s only.
-        step_pauses = listed if listed is not None else ([float(rec["recovery_s"])] if rec["recovery_s"] > 0 else [])
-        pauses += step_pauses
-        listed = _seconds_list(rec, "detects_s", where)
-        if listed is None and _is_seconds(rec.get("detect_s")) and rec["detect_s"] > 0:
-            listed = [float(rec["detect_s"])]
-        detects += listed or []
-        step_joins = _joins_of(rec, where)
-        joins += step_joins
-        if rec["faults"]:
-            faults += len(rec["faults"])
-            fault_starts.append(elapsed)
-        elif not step_pauses and not step_joins:
-            undisturbed.append(t)
-        elapsed += t
-
-    paused = math.fsum(pauses)
-    join_paused = math.fsum(j.pause_s for j in joins)
-    ok_joins = [j for j in joins if j.ok]
-    gaps = [b - a for a, b in zip(fault_starts, fault_starts[1:])]
-    unpaused: float | None = None
-    if wall > 0:
-        unpaused = 1.0 - (paused + join_paused) / wall
-        # Sums of the same floats in another order differ in the last bits: equal is not "exceeds".
-        if unpaused < -1e-9:
-            warnings.append(
-                f"the pauses ({paused + join_paused:.3f} s) exceed the step time ({wall:.3f} s); "
-                f"the ledger's times are inconsistent"
-            )
-        unpaused = max(unpaused, 0.0)
-    if replayed > committed:
-        warnings.append(f"{replayed} replayed microbatches exceed the {committed} committed (run check-ledger)")
-    Bs = Counter(r["B"] for r in recs)
-    policies = sorted({str(r.get("policy", "static")) for r in recs})
+    warnings = _order_warnings(steps)
+    t = _totals(recs)
+    wall, paused = math.fsum(t.times), math.fsum(t.pauses)
+    join_paused = math.fsum(j.pause_s for j in t.joins)
+    ok_joins = [j for j in t.joins if j.ok]
+    unpaused = _unpaused_fraction(wall, paused + join_paused, warnings)
+    if t.replayed > t.committed:
+        warnings.append(f"{t.replayed} replayed microbatches exceed the {t.committed} committed (run check-ledger)")
     return RunReport(
-        steps=len(recs),
-        first_step=steps[0],
-        last_step=steps[-1],
-        B=Bs.most_common(1)[0][0],
-        policy="/".join(policies),
+        steps=len(recs), first_step=steps[0], last_step=steps[-1],
+        B=Counter(r["B"] for r in recs).most_common(1)[0][0],
+        policy="/".join(sorted({str(r.get("policy", "static")) for r in recs})),
         wall_s=wall,
-        committed_microbatches=committed,
-        replayed_microbatches=replayed,
-        replay_ratio=replayed / committed if committed else 0.0,
-        replicas_start=live[0],
-        replicas_min=min(live),
-        replicas_end=live[-1],
-        faults=faults,
-        faulted_steps=len(fault_starts),
-        recoveries=len(pauses),
-        paused_s=paused,
-        mttr_s=_mean(pauses),
-        pause_max_s=max(pauses) if pauses else None,
-        pause_per_fault_s=paused / faults if faults else None,
-        detections=len(detects),
-        detect_mean_s=_mean(detects),
-        detect_max_s=max(detects) if detects else None,
-        mtbf_s=wall / faults if faults else None,
-        fault_gap_mean_s=_mean(gaps),
-        join_attempts=len(joins),
-        joins_ok=len(ok_joins),
-        join_success_rate=len(ok_joins) / len(joins) if joins else None,
+        committed_microbatches=t.committed, replayed_microbatches=t.replayed,
+        replay_ratio=t.replayed / t.committed if t.committed else 0.0,
+        replicas_start=t.live[0], replicas_min=min(t.live), replicas_end=t.live[-1],
+        faults=t.faults, faulted_steps=len(t.fault_starts),
+        recoveries=len(t.pauses), paused_s=paused, mttr_s=_mean(t.pauses),
+        pause_max_s=max(t.pauses) if t.pauses else None,
+        pause_per_fault_s=paused / t.faults if t.faults else None,
+        detections=len(t.detects), detect_mean_s=_mean(t.detects), detect_max_s=max(t.detects) if t.detects else None,
+        mtbf_s=wall / t.faults if t.faults else None,
+        fault_gap_mean_s=_mean([b - a for a, b in zip(t.fault_starts, t.fault_starts[1:])]),
+        join_attempts=len(t.joins), joins_ok=len(ok_joins),
+        join_success_rate=len(ok_joins) / len(t.joins) if t.joins else None,
         join_transfer_mean_s=_mean([j.transfer_s for j in ok_joins]),
-        join_pause_mean_s=_mean([j.pause_s for j in joins]),
-        join_paused_s=join_paused,
-        microbatches_per_s=committed / wall if wall > 0 else None,
-        samples_per_s=committed * microbatch_size / wall if wall > 0 and microbatch_size else None,
-        microbatch_size=microbatch_size,
-        unpaused_fraction=unpaused,
-        steady_step_time_s=statistics.median(undisturbed) if undisturbed else None,
+        join_pause_mean_s=_mean([j.pause_s for j in t.joins]), join_paused_s=join_paused,
+        microbatches_per_s=t.committed / wall if wall > 0 else None,
+        samples_per_s=t.committed * microbatch_size / wall if wall > 0 and microbatch_size else None,
+        microbatch_size=microbatch_size, unpaused_fraction=unpaused,
+        steady_step_time_s=statistics.median(t.undisturbed) if t.undisturbed else None,
         warnings=tuple(warnings),
     )
 
