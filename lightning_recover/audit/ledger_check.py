@@ -240,56 +240,84 @@ def check_ledger(
         records = read_ledger(path, raw=True)
     except (OSError, LedgerFormatError) as exc:
         problems.add(None, f"cannot read ledger: {exc}")
-        return problems.verdict(steps=0, reference=ref_name, rtol=rtol if rtol is not None else DEFAULT_RTOL)
-    if not records:
+        records = None
+    if records == []:
         problems.add(None, f"ledger {os.fspath(path)} has no steps")
+    if not records:
         return problems.verdict(steps=0, reference=ref_name, rtol=rtol if rtol is not None else DEFAULT_RTOL)
     rtol, rtol_source = (rtol, "--rtol") if rtol is not None else rtol_for(records)
 
     # The run's B is the most common one, so a single bad line is blamed, not all others.
     Bs = Counter(r["B"] for r in records if _is_int(r.get("B")) and r["B"] > 0)
-    run_B = Bs.most_common(1)[0][0] if Bs else None
-    policies: set[str] = set()
-    losses: dict[int, Any] = {}
-    steps_seen: list[int] = []
-    prev_step: int | None = None
-    prev_rec: dict[str, Any] | None = None
-    n_joins = 0
-
-    table = MembershipTable()
+    lines = _LineChecks(problems, Bs.most_common(1)[0][0] if Bs else None, policy)
     for lineno, raw in enumerate(records, 1):
+        lines.check(lineno, raw)
+    if reference is not None:
+        _compare_losses(problems, lines.losses, ref_name or "", rtol)
+    return problems.verdict(
+        steps=len(records),
+        B=lines.run_B,
+        policy="/".join(sorted(lines.policies)) or "static",
+        first_step=lines.steps_seen[0] if lines.steps_seen else None,
+        last_step=lines.steps_seen[-1] if lines.steps_seen else None,
+        reference=ref_name,
+        rtol=rtol,
+        rtol_source=rtol_source,
+        joins=lines.joins,
+    )
+
+
+class _LineChecks:
+    """:func:`check_ledger`'s pass over the lines, in order: what each line is checked against (the run's B,
+    the previous line) and what the verdict needs of them (policies, losses, steps, joins)."""
+
+    def __init__(self, problems: _Problems, run_B: int | None, policy: str | None) -> None:
+        self.problems, self.run_B, self.policy = problems, run_B, policy
+        self.table = MembershipTable()
+        self.policies: set[str] = set()
+        self.losses: dict[int, Any] = {}
+        self.steps_seen: list[int] = []
+        self.prev_step: int | None = None
+        self.prev_rec: dict[str, Any] | None = None
+        self.joins = 0
+
+    def check(self, lineno: int, raw: dict[str, Any]) -> None:
+        problems = self.problems
         step = raw.get("step")
         try:
-            rec = table.resolve(raw)
+            rec = self.table.resolve(raw)
         except LedgerFormatError as exc:
             problems.add(step if _is_int(step) else None, f"line {lineno}: {exc}")
             rec = dict(raw)
         if not _is_int(step) or step < 0:
             problems.add(
-                prev_step + 1 if prev_step is not None else None,
+                self.prev_step + 1 if self.prev_step is not None else None,
                 f"line {lineno}: step must be a non-negative integer, got {step!r}",
             )
-            continue
+            return
         missing = [k for k in required_fields(rec) if k not in rec]
         if missing:
             problems.add(step, f"missing fields {missing}")
-        if prev_step is not None and step != prev_step + 1:
-            problems.add(step, f"steps are not consecutive: step {step} follows step {prev_step}")
-        n_joins += _check_joins(problems, step, rec, prev_rec if prev_step == step - 1 else None)
-        prev_step = step
-        prev_rec = rec
-        steps_seen.append(step)
-        line_policy = policy or rec.get("policy", "static")
+        if self.prev_step is not None and step != self.prev_step + 1:
+            problems.add(step, f"steps are not consecutive: step {step} follows step {self.prev_step}")
+        self.joins += _check_joins(problems, step, rec, self.prev_rec if self.prev_step == step - 1 else None)
+        self.prev_step, self.prev_rec = step, rec
+        self.steps_seen.append(step)
+        line_policy = self.policy or rec.get("policy", "static")
         if line_policy not in ("static", "adaptive"):
             problems.add(step, f"unknown policy {line_policy!r}; expected static or adaptive")
             line_policy = "static"
-        policies.add(line_policy)
-        losses[step] = rec.get("loss")
+        self.policies.add(line_policy)
+        self.losses[step] = rec.get("loss")
+        self._check_counts(step, rec, line_policy)
 
+    def _check_counts(self, step: int, rec: Mapping[str, Any], line_policy: str) -> None:
+        """B constant, the committed count the policy allows, and the microbatch ids."""
+        problems, run_B = self.problems, self.run_B
         B = rec.get("B")
         if not _is_int(B) or B < 1:
             problems.add(step, f"B must be a positive integer, got {B!r}")
-            continue
+            return
         if run_B is not None and B != run_B:
             problems.add(step, f"B={B}, but the run's B is {run_B} (B must stay constant)")
         committed = rec.get("committed")
@@ -303,21 +331,6 @@ def check_ledger(
             _check_id_ranges(problems, step, rec["ids"], run_B or B, committed, line_policy)
         elif "microbatch_ids" in rec:
             _check_ids(problems, step, rec["microbatch_ids"], run_B or B, committed, line_policy)
-
-    if reference is not None:
-        _compare_losses(problems, losses, ref_name or "", rtol)
-
-    return problems.verdict(
-        steps=len(records),
-        B=run_B,
-        policy="/".join(sorted(policies)) or "static",
-        first_step=steps_seen[0] if steps_seen else None,
-        last_step=steps_seen[-1] if steps_seen else None,
-        reference=ref_name,
-        rtol=rtol,
-        rtol_source=rtol_source,
-        joins=n_joins,
-    )
 
 
 def _compare_losses(
