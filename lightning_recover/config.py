@@ -337,6 +337,15 @@ class RecoverConfig:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
+        # In this order: the first bad value is the one named.
+        self._check_layout()
+        self._check_policy_and_planes()
+        self._check_files_and_timeouts()
+        self._check_recovery()
+        self._check_groups()
+
+    def _check_layout(self) -> None:
+        """shards, tensor_parallel, grad_accum, target_replicas."""
         shards_fix = "set recover.shards to the ranks per replica (a divisor of the world size)"
         _set(self, "shards", _integer("shards", self.shards, 1, shards_fix, requirement="a positive integer"))
         tp_fix = f"set recover.tensor_parallel to a divisor of recover.shards={self.shards} (1 = no tensor parallelism)"
@@ -348,6 +357,9 @@ class RecoverConfig:
         if self.target_replicas is not None:
             target_fix = "set recover.target_replicas to 1..replicas, or null for all"
             _set(self, "target_replicas", _integer("target_replicas", self.target_replicas, 1, target_fix))
+
+    def _check_policy_and_planes(self) -> None:
+        """The policy, min_replicas, the bucket size, the data and replica planes."""
         if not isinstance(self.policy, str) or self.policy not in POLICY_NAMES:
             raise ConfigurationError(
                 f"unknown policy {self.policy!r} (recover.policy={self.policy!r}); use "
@@ -367,6 +379,9 @@ class RecoverConfig:
                 "replica_plane", self.replica_plane, " or ".join(repr(p) for p in REPLICA_PLANES),
                 "set recover.replica_plane=auto (the default), mpi (CPU) or torch",
             )
+
+    def _check_files_and_timeouts(self) -> None:
+        """The ledger path, the seed and the timeouts."""
         ledger_fix = "set recover.ledger_path to a file path, or null for no ledger"
         _set(self, "ledger_path", _path("ledger_path", self.ledger_path, ledger_fix))
         _set(self, "seed", _integer("seed", self.seed, 0, "set the seed to a non-negative integer"))
@@ -386,6 +401,9 @@ class RecoverConfig:
             _set(self, "stuck_timeout_s", _number(
                 "stuck_timeout_s", self.stuck_timeout_s, stuck_fix, positive=False, finite=False, requirement=seconds
             ))
+
+    def _check_recovery(self) -> None:
+        """The switches, re-join and salvage."""
         for key, what in (("overlap", "overlap the reduction with backward"), ("sync_every_microbatch", "reduce-scatter after every microbatch"),
                           ("salvage", "keep a broken replica's live ranks as orphans")):
             if not isinstance(getattr(self, key), bool):
@@ -406,6 +424,9 @@ class RecoverConfig:
         ):
             _set(self, key, _number(key, getattr(self, key), fix, positive=key in ("rejoin_timeout_s", "salvage_wait_s"),
                                     finite=True, requirement="a number of seconds"))
+
+    def _check_groups(self) -> None:
+        """The sdc and checkpoint sections (a mapping is the section's settings)."""
         # A mapping (a dict, or OmegaConf's DictConfig when Hydra's instantiate builds this class) is the group's settings.
         _set(self, "sdc", _group("sdc", self.sdc, SDCConfig))
         _set(self, "checkpoint", _group("checkpoint", self.checkpoint, CheckpointConfig))
