@@ -60,8 +60,8 @@ import logging
 import time
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Protocol, TypeVar
+from contextlib import contextmanager
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -75,6 +75,18 @@ from lightning_recover.workload.policy import WorkloadPolicy
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _NO_PAYLOAD = torch.empty(0, dtype=torch.float64)
+
+
+class _RoundSums(NamedTuple):
+    """What a completed reduction round summed over the world, besides the gradient buckets."""
+
+    #: The step's header (loss, counts, votes): :func:`~.step_values.header`.
+    head: torch.Tensor
+    #: The values logged with ``sync_dist``, in ``keys`` order (empty when none were).
+    logged: torch.Tensor
+    keys: list[str]
+    #: The vote names, in the header's order.
+    votes: list[str]
 
 
 class MicrobatchRunner(Protocol):
@@ -265,51 +277,14 @@ class StepEngine:
         self._prepare_reduction(runner)
         failed_at: float | None = None
         while True:
-            if st.replan_pending:
-                st.replan_pending = False
-                self._abandon_inflight()
-                self._boundary(runner)
-            if st.inflight is None:
-                self.dispatch("on_before_reduce", st)
-            if st.redo is not None:
-                # A callback found this step's gradients suspect (a corruption cross-check):
-                # recompute the ids it named from a fresh accumulator, then check again.
-                redo, st.redo = st.redo, None
-                if redo:
-                    self._run_schedule(runner, Schedule(True, redo))
+            if not self._ready_to_reduce(runner, st):
                 continue
-            mine = st.mine
-            owned = mine.ids if mine.contributes else ()
-            keys = step_values.keys_of(st.logged)
-            votes = sorted(st.votes)
-            head_in = step_values.header(sum(st.losses[i] for i in owned), len(owned), keys, [st.votes[k] for k in votes])
-            head_out = torch.empty_like(head_in)
-            # Nothing logged with sync_dist (the common step): no payload to build or reduce.
-            logged_in = step_values.payload(st.logged, owned, keys) if keys else _NO_PAYLOAD
-            logged_out = torch.empty_like(logged_in) if keys else _NO_PAYLOAD
             round_started = time.perf_counter()
-            try:
-                if st.inflight is not None:
-                    inflight, st.inflight = st.inflight, None
-                    with self.probes.waiting():
-                        inflight.join(set_computing=self.probes.set_computing)
-                    self._check_overlapped(runner, inflight)
-                with self.probes.waiting():
-                    self.comm.allreduce(
-                        st.send[::-1], st.out[::-1], handle=st.handle, on_bucket=self._before_bucket, after_bucket=self._after_bucket
-                    )
-                    self.comm.allreduce([head_in], [head_out], across="world")
-                    self._check_counted(head_out)
-                    step_values.check_header(head_out, keys)
-                    if keys:
-                        self.comm.allreduce([logged_in], [logged_out], across="world")
-                ok = True
-            except PeerFailure as exc:
-                log.warning("step %d: %s", st.step, exc)
-                ok = False
+            sums = self._reduce_round(runner, st)
             with self.probes.waiting():
-                committed = self.comm.agree(ok)
+                committed = self.comm.agree(sums is not None)
             if committed:
+                assert sums is not None, "an agreed round is one every member, this one too, completed"
                 st.agreed = True
                 break
             # The time blocked in a failed round (reduce + agreement) bounds how long a hung
@@ -321,9 +296,9 @@ class StepEngine:
             self._recover(runner)
         # The agreed sums first: on_before_commit callbacks decide on them (BufferSync reads
         # its vote there; read before they were set, every step looked like a buffer change).
-        st.loss = float(head_out[0]) / max(1.0, float(head_out[1]))
-        st.logged_totals = step_values.unpack(logged_out, keys)
-        st.vote_totals = {k: float(v) for k, v in zip(votes, head_out[5:])}
+        st.loss = float(sums.head[0]) / max(1.0, float(sums.head[1]))
+        st.logged_totals = step_values.unpack(sums.logged, sums.keys)
+        st.vote_totals = {k: float(v) for k, v in zip(sums.votes, sums.head[5:])}
         self.dispatch("on_before_commit", st)
         if failed_at is not None:
             st.pauses.append(time.perf_counter() - failed_at)
@@ -333,6 +308,56 @@ class StepEngine:
         for grad, total in zip(st.local, st.out):
             grad.copy_(total).div_(divisor)
         return st.plan.divisor
+
+    def _ready_to_reduce(self, runner: MicrobatchRunner, st: StepState) -> bool:
+        """A repair inside the step re-plans it first; then the callbacks' ``on_before_reduce``. False when a
+        callback asked for microbatches to be computed again (done here): the round is prepared anew."""
+        if st.replan_pending:
+            st.replan_pending = False
+            self._abandon_inflight()
+            self._boundary(runner)
+        if st.inflight is None:
+            self.dispatch("on_before_reduce", st)
+        if st.redo is None:
+            return True
+        # A callback found this step's gradients suspect (a corruption cross-check):
+        # recompute the ids it named from a fresh accumulator, then check again.
+        redo, st.redo = st.redo, None
+        if redo:
+            self._run_schedule(runner, Schedule(True, redo))
+        return False
+
+    def _reduce_round(self, runner: MicrobatchRunner, st: StepState) -> _RoundSums | None:
+        """One reduction round in the current membership: the gradient buckets, then the step's header (loss,
+        counts, votes) and the values logged with ``sync_dist``. None when a peer failed during it."""
+        mine = st.mine
+        owned = mine.ids if mine.contributes else ()
+        keys = step_values.keys_of(st.logged)
+        votes = sorted(st.votes)
+        head_in = step_values.header(sum(st.losses[i] for i in owned), len(owned), keys, [st.votes[k] for k in votes])
+        head_out = torch.empty_like(head_in)
+        # Nothing logged with sync_dist (the common step): no payload to build or reduce.
+        logged_in = step_values.payload(st.logged, owned, keys) if keys else _NO_PAYLOAD
+        logged_out = torch.empty_like(logged_in) if keys else _NO_PAYLOAD
+        try:
+            if st.inflight is not None:
+                inflight, st.inflight = st.inflight, None
+                with self.probes.waiting():
+                    inflight.join(set_computing=self.probes.set_computing)
+                self._check_overlapped(runner, inflight)
+            with self.probes.waiting():
+                self.comm.allreduce(
+                    st.send[::-1], st.out[::-1], handle=st.handle, on_bucket=self._before_bucket, after_bucket=self._after_bucket
+                )
+                self.comm.allreduce([head_in], [head_out], across="world")
+                self._check_counted(head_out)
+                step_values.check_header(head_out, keys)
+                if keys:
+                    self.comm.allreduce([logged_in], [logged_out], across="world")
+        except PeerFailure as exc:
+            log.warning("step %d: %s", st.step, exc)
+            return None
+        return _RoundSums(head_out, logged_out, keys, votes)
 
     def _check_counted(self, head_out: torch.Tensor) -> None:
         """Every world member's header is in the sum (each counts 1), else the reduction was cut short.
