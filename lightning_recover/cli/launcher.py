@@ -16,6 +16,7 @@ hosts that remain (:mod:`lightning_recover.cli.hosts`), a bounded number of time
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -35,6 +36,7 @@ from lightning_recover.cli.startup import StartWatch
 from lightning_recover.cli.runner import STALLED_STATUS, START_LOST_STATUS, run_supervised
 from lightning_recover.cli.supervision import (
     RELAUNCHABLE,
+    Decision,
     Host,
     Outcome,
     RelaunchCost,
@@ -307,14 +309,9 @@ def supervise(
 
     if stall_timeout_s is not None and (ledger is None or not stall_timeout_s > 0):
         raise ValueError(f"--stall-timeout {stall_timeout_s} needs --ledger (the file whose growth is progress) and a positive value")
-    local = hosts is None
-    # This machine alone: its slots are what the plain launcher allows (it oversubscribes past the cores).
-    plan = first_plan(policy, hosts if hosts is not None else (Host("localhost", max(nprocs, os.cpu_count() or 1)),), nprocs)
-    say = functools.partial(print, file=sys.stderr, flush=True)
-    costs: list[RelaunchCost] = []
-    pending: dict[str, Any] | None = None  # the relaunch whose cost the next attempt completes
-    relaunches = 0
-    env_base = launch_env()
+    sup = _Supervisor(nprocs, command, policy=policy, checkpoint_dir=checkpoint_dir, hosts=hosts, ledger=ledger,
+                      resume_arg=resume_arg, stall_timeout_s=stall_timeout_s, hang_timeout=hang_timeout, extra=extra,
+                      probe=probe, unbound=unbound)
     if status_root is not None:
         # Kept, with every attempt's markers (attempt-K/), as the plain launcher keeps it.
         os.makedirs(status_root, exist_ok=True)
@@ -322,116 +319,191 @@ def supervise(
     else:
         where = tempfile.TemporaryDirectory(prefix="lightning-recover-supervise-")
     with where as root:
+        return sup.run(root)
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """One attempt of a supervised job: how it ran and how it ended (:meth:`_Supervisor._run_attempt`)."""
+
+    number: int
+    status_dir: str
+    started: float
+    progress: _Progress
+    status: int = 0
+    ended: float = 0.0
+    #: The signal that ended the supervisor's job (Ctrl-C, a scheduler's SIGTERM), if one did.
+    interrupted: int | None = None
+    markers: JobMarkers | None = None
+    outcome: Outcome | None = None
+
+    @property
+    def took(self) -> str:
+        return f"attempt {self.number} ended after {self.ended - self.started:.1f} s"
+
+
+class _Supervisor:
+    """:func:`supervise`'s lifecycle: run an attempt, judge it, and relaunch it from the newest checkpoint
+    or end; what carries over from one attempt to the next (the plan, the relaunch costs) lives here,
+    the rest in each :class:`_Attempt`."""
+
+    def __init__(
+        self, nprocs: int, command: Sequence[str], *, policy: SupervisionPolicy, checkpoint_dir: str,
+        hosts: Sequence[Host] | None, ledger: str | None, resume_arg: str, stall_timeout_s: float | None,
+        hang_timeout: float | None, extra: Sequence[str], probe: Callable[[Sequence[Host], Sequence[str]], frozenset[str]],
+        unbound: bool,
+    ) -> None:
+        self.nprocs, self.command, self.policy, self.checkpoint_dir = nprocs, command, policy, checkpoint_dir
+        self.ledger, self.resume_arg, self.stall_timeout_s = ledger, resume_arg, stall_timeout_s
+        self.hang_timeout, self.extra, self.probe, self.unbound = hang_timeout, extra, probe, unbound
+        self.local = hosts is None
+        # This machine alone: its slots are what the plain launcher allows (it oversubscribes past the cores).
+        self.plan = first_plan(policy, hosts if hosts is not None else (Host("localhost", max(nprocs, os.cpu_count() or 1)),), nprocs)
+        self.say = functools.partial(print, file=sys.stderr, flush=True)
+        self.costs: list[RelaunchCost] = []
+        #: The relaunch whose cost the next attempt completes.
+        self.pending: dict[str, Any] | None = None
+        self.relaunches = 0
+        self.env_base = launch_env()
+
+    def run(self, root: str) -> int:
         while True:
-            status_dir = os.path.join(root, f"attempt-{relaunches}")
-            os.makedirs(status_dir)
-            ckpt = newest_checkpoint(checkpoint_dir) if relaunches else None
-            cmd = resume_command(command, resume_arg) if ckpt is not None else list(command)
-            argv = build_command(
-                plan.nprocs, cmd, hang_timeout=hang_timeout, extra=extra, hosts=None if local else host_arg(plan.hosts),
-                slots=plan.slots, oversubscribe=policy.oversubscribe and not local, unbound=unbound,
-            )
-            say(f"[lightning-recover] supervise: attempt {relaunches + 1}: " + shlex.join(argv))
-            if relaunches == 0 and (note := safe_coll_note(argv)) is not None:
-                say(f"[lightning-recover] {note}")
-            env = dict(_with_spare_hosts(env_base, None if local else plan.hosts, plan.nprocs),
-                       **{ENV_STATUS_DIR: status_dir, ENV_ATTEMPT: str(relaunches)})
-            t_start = time.time()
-            progress = _Progress(ledger, t_start)
-
-            def watch() -> str | None:
-                progress.poll()
-                if stall_timeout_s is None:
-                    return None
-                quiet = time.time() - (progress.last or t_start)
-                if quiet > stall_timeout_s:
-                    return f"supervise: stall watchdog: no committed step for {quiet:.0f} s (> --stall-timeout {stall_timeout_s:g}; ledger {ledger})"
-                return None
-
-            interrupted: list[int] = []
-            pipes = [os.pipe(), os.pipe()]
-            tees = [_Tee(r, sink) for (r, _), sink in zip(pipes, (sys.stdout, sys.stderr))]
-            for t in tees:
-                t.start()
-            try:
-                status = run_supervised(argv, env, nprocs=plan.nprocs if local else None, watch=watch,
-                                        stdout=pipes[0][1], stderr=pipes[1][1], on_signal=interrupted.append,
-                                        finished=lambda d=status_dir, n=plan.nprocs: JobMarkers.read(d).over(n),
-                                        refused=lambda d=status_dir: JobMarkers.read(d).refused,
-                                        start_watch=(start := StartWatch(status_dir, plan.nprocs, all_local=local and not spans_hosts(argv))).poll)
-            finally:
-                for _, w in pipes:
-                    os.close(w)
-                for t in tees:
-                    t.join(10)  # a rank elsewhere that still holds the pipe must not hold the supervisor
-            if (line := summary(sum(t.filter.dropped for t in tees))) is not None:
-                say(f"[lightning-recover] supervise: attempt {relaunches + 1}: {line}")
-            t_end = time.time()
-            progress.poll()
-            if interrupted:
+            att = self._run_attempt(os.path.join(root, f"attempt-{self.relaunches}"))
+            if att.interrupted is not None:
                 # The user (Ctrl-C) or the scheduler (SIGTERM: a cancelled or timed-out Slurm job) ended
                 # the job: that is a decision, not a failure to repair.
-                name = signal.Signals(interrupted[0]).name
-                say(f"[lightning-recover] supervise: the job was ended by {name}; not relaunching")
-                return 128 + interrupted[0]
-            markers = start.local_hosts(settled_markers(status_dir, status))
-            tail = b"\n".join(t.tail for t in tees).decode("utf-8", "replace")
-            outcome = Outcome(
-                plan.nprocs, status, tail, started=frozenset(markers.started), ok=frozenset(markers.ok),
-                exited=frozenset(markers.ended - markers.ok), no_quorum=frozenset(markers.no_quorum), raised={r: s for r, (_, s) in markers.raised.items()},
-                stalled=status == STALLED_STATUS, lost_at_start=status == START_LOST_STATUS or bool(markers.lost_at_start),
-            )
-            if pending is not None and ledger is not None:  # this attempt was a relaunch: how long until it was back
-                started = _started_at(status_dir)
-                first = progress.first_after(started) if started is not None else None
-                own = _ledger_times(ledger).get(pending["resume_step"] or 0, 0.0)
-                costs.append(RelaunchCost(
-                    pending["detection_s"],
-                    (started if started is not None else t_end) - pending["ended"],
-                    max(0.0, first - started - own) if first is not None and started is not None else float("nan"),
-                    pending["replayed"], pending["replay_s"],
-                ))
-                pending = None
-            cause = classify(outcome)
-            unreachable = probe(plan.hosts, extra) if cause in RELAUNCHABLE and not local else frozenset()
-            decision = decide(policy, plan, outcome, relaunches_done=relaunches, target_nprocs=nprocs, unreachable=unreachable)
-            took = f"attempt {relaunches + 1} ended after {t_end - t_start:.1f} s"
+                self.say(f"[lightning-recover] supervise: the job was ended by {signal.Signals(att.interrupted).name}; not relaunching")
+                return 128 + att.interrupted
+            self._note_relaunch_cost(att)
+            assert att.outcome is not None
+            cause = classify(att.outcome)
+            unreachable = self.probe(self.plan.hosts, self.extra) if cause in RELAUNCHABLE and not self.local else frozenset()
+            decision = decide(self.policy, self.plan, att.outcome, relaunches_done=self.relaunches, target_nprocs=self.nprocs,
+                              unreachable=unreachable)
             if decision.action != "relaunch":
-                lost = sum(c.total_s for c in costs)
-                if decision.action == "done":
-                    status, words = final_words(markers, plan.nprocs, status)
-                    if words is not None:
-                        say(f"[lightning-recover] {words}")
-                    measured = f"time lost to failures {lost:.1f} s" if ledger is not None else "give --ledger to measure the time lost"
-                    say(f"[lightning-recover] supervise: {took}: the job finished after {relaunches} relaunch(es); {measured}")
-                else:
-                    status, words = final_words(markers, plan.nprocs, status)
-                    status = status or 1
-                    say(f"[lightning-recover] supervise: {took}: giving up: {decision.reason}. Exit status {status}")
-                for i, c in enumerate(costs, 1):
-                    say(f"[lightning-recover] supervise: relaunch {i} cost {c.describe()}")
-                return status
-            assert decision.plan is not None
-            resume = newest_checkpoint(checkpoint_dir)
-            resume_step = checkpoint_step(os.path.basename(resume)) if resume is not None else None
-            replayed, replay_s = replayed_steps(_ledger_times(ledger), resume_step) if ledger else (0, 0.0)
-            detection = t_end - (progress.last or t_start)
-            pending = {"ended": t_end, "detection_s": detection, "resume_step": resume_step, "replayed": replayed, "replay_s": replay_s}
-            so_far = sum(c.total_s for c in costs) + detection + replay_s
-            source = f"checkpoint {resume}" if resume is not None else "the start (no checkpoint yet)"
-            lost_line = (
-                f"time lost so far {so_far:.1f} s (detection {detection:.1f} s, {replayed} step(s) to replay)"
-                if ledger is not None else "give --ledger to measure the time lost"
-            )
-            say(
-                f"[lightning-recover] supervise: {took}: {decision.reason}; relaunch {relaunches + 1}/{policy.max_relaunches} "
-                f"in {decision.backoff_s:.1f} s: {decision.plan.nprocs} rank(s) on {host_arg(decision.plan.hosts)} from {source}; "
-                f"{lost_line}"
-            )
-            try:
-                time.sleep(decision.backoff_s)
-            except KeyboardInterrupt:
-                say("[lightning-recover] supervise: interrupted while waiting to relaunch; not relaunching")
+                return self._end(att, decision)
+            if not self._relaunch(att, decision):
                 return 128 + int(signal.SIGINT)
-            plan = decision.plan
-            relaunches += 1
+
+    def _run_attempt(self, status_dir: str) -> _Attempt:
+        """Run one attempt under mpiexec to its end, its output teed through, the stall watchdog on."""
+        os.makedirs(status_dir)
+        plan = self.plan
+        ckpt = newest_checkpoint(self.checkpoint_dir) if self.relaunches else None
+        cmd = resume_command(self.command, self.resume_arg) if ckpt is not None else list(self.command)
+        argv = build_command(
+            plan.nprocs, cmd, hang_timeout=self.hang_timeout, extra=self.extra, hosts=None if self.local else host_arg(plan.hosts),
+            slots=plan.slots, oversubscribe=self.policy.oversubscribe and not self.local, unbound=self.unbound,
+        )
+        self.say(f"[lightning-recover] supervise: attempt {self.relaunches + 1}: " + shlex.join(argv))
+        if self.relaunches == 0 and (note := safe_coll_note(argv)) is not None:
+            self.say(f"[lightning-recover] {note}")
+        env = dict(_with_spare_hosts(self.env_base, None if self.local else plan.hosts, plan.nprocs),
+                   **{ENV_STATUS_DIR: status_dir, ENV_ATTEMPT: str(self.relaunches)})
+        t_start = time.time()
+        att = _Attempt(self.relaunches + 1, status_dir, t_start, _Progress(self.ledger, t_start))
+        interrupted: list[int] = []
+        pipes = [os.pipe(), os.pipe()]
+        tees = [_Tee(r, sink) for (r, _), sink in zip(pipes, (sys.stdout, sys.stderr))]
+        for t in tees:
+            t.start()
+        start = StartWatch(status_dir, plan.nprocs, all_local=self.local and not spans_hosts(argv))
+        try:
+            att.status = run_supervised(argv, env, nprocs=plan.nprocs if self.local else None, watch=lambda: self._watch(att),
+                                        stdout=pipes[0][1], stderr=pipes[1][1], on_signal=interrupted.append,
+                                        finished=lambda: JobMarkers.read(status_dir).over(plan.nprocs),
+                                        refused=lambda: JobMarkers.read(status_dir).refused, start_watch=start.poll)
+        finally:
+            for _, w in pipes:
+                os.close(w)
+            for t in tees:
+                t.join(10)  # a rank elsewhere that still holds the pipe must not hold the supervisor
+        if (line := summary(sum(t.filter.dropped for t in tees))) is not None:
+            self.say(f"[lightning-recover] supervise: attempt {att.number}: {line}")
+        att.ended = time.time()
+        att.progress.poll()
+        if interrupted:
+            att.interrupted = interrupted[0]
+            return att
+        att.markers = markers = start.local_hosts(settled_markers(status_dir, att.status))
+        tail = b"\n".join(t.tail for t in tees).decode("utf-8", "replace")
+        att.outcome = Outcome(
+            plan.nprocs, att.status, tail, started=frozenset(markers.started), ok=frozenset(markers.ok),
+            exited=frozenset(markers.ended - markers.ok), no_quorum=frozenset(markers.no_quorum),
+            raised={r: s for r, (_, s) in markers.raised.items()}, stalled=att.status == STALLED_STATUS,
+            lost_at_start=att.status == START_LOST_STATUS or bool(markers.lost_at_start),
+        )
+        return att
+
+    def _watch(self, att: _Attempt) -> str | None:
+        """The stall watchdog, polled while the attempt runs: why to end it, or None."""
+        att.progress.poll()
+        if self.stall_timeout_s is None:
+            return None
+        quiet = time.time() - (att.progress.last or att.started)
+        if quiet > self.stall_timeout_s:
+            return (f"supervise: stall watchdog: no committed step for {quiet:.0f} s (> --stall-timeout "
+                    f"{self.stall_timeout_s:g}; ledger {self.ledger})")
+        return None
+
+    def _note_relaunch_cost(self, att: _Attempt) -> None:
+        """An attempt that was a relaunch completes the cost of that relaunch: how long until it was back."""
+        pending, self.pending = self.pending, None
+        if pending is None or self.ledger is None:
+            return
+        started = _started_at(att.status_dir)
+        first = att.progress.first_after(started) if started is not None else None
+        own = _ledger_times(self.ledger).get(pending["resume_step"] or 0, 0.0)
+        self.costs.append(RelaunchCost(
+            pending["detection_s"],
+            (started if started is not None else att.ended) - pending["ended"],
+            max(0.0, first - started - own) if first is not None and started is not None else float("nan"),
+            pending["replayed"], pending["replay_s"],
+        ))
+
+    def _end(self, att: _Attempt, decision: Decision) -> int:
+        """The job finished, or the supervisor gives up: the final lines and status."""
+        assert att.markers is not None
+        status, words = final_words(att.markers, self.plan.nprocs, att.status)
+        if decision.action == "done":
+            if words is not None:
+                self.say(f"[lightning-recover] {words}")
+            lost = sum(c.total_s for c in self.costs)
+            measured = f"time lost to failures {lost:.1f} s" if self.ledger is not None else "give --ledger to measure the time lost"
+            self.say(f"[lightning-recover] supervise: {att.took}: the job finished after {self.relaunches} relaunch(es); {measured}")
+        else:
+            status = status or 1
+            self.say(f"[lightning-recover] supervise: {att.took}: giving up: {decision.reason}. Exit status {status}")
+        for i, c in enumerate(self.costs, 1):
+            self.say(f"[lightning-recover] supervise: relaunch {i} cost {c.describe()}")
+        return status
+
+    def _relaunch(self, att: _Attempt, decision: Decision) -> bool:
+        """Say where the job goes next and what it lost, wait the backoff, and take the new plan;
+        False when interrupted while waiting."""
+        assert decision.plan is not None
+        resume = newest_checkpoint(self.checkpoint_dir)
+        resume_step = checkpoint_step(os.path.basename(resume)) if resume is not None else None
+        replayed, replay_s = replayed_steps(_ledger_times(self.ledger), resume_step) if self.ledger else (0, 0.0)
+        detection = att.ended - (att.progress.last or att.started)
+        self.pending = {"ended": att.ended, "detection_s": detection, "resume_step": resume_step, "replayed": replayed,
+                        "replay_s": replay_s}
+        so_far = sum(c.total_s for c in self.costs) + detection + replay_s
+        source = f"checkpoint {resume}" if resume is not None else "the start (no checkpoint yet)"
+        lost_line = (
+            f"time lost so far {so_far:.1f} s (detection {detection:.1f} s, {replayed} step(s) to replay)"
+            if self.ledger is not None else "give --ledger to measure the time lost"
+        )
+        self.say(
+            f"[lightning-recover] supervise: {att.took}: {decision.reason}; relaunch {self.relaunches + 1}/{self.policy.max_relaunches} "
+            f"in {decision.backoff_s:.1f} s: {decision.plan.nprocs} rank(s) on {host_arg(decision.plan.hosts)} from {source}; "
+            f"{lost_line}"
+        )
+        try:
+            time.sleep(decision.backoff_s)
+        except KeyboardInterrupt:
+            self.say("[lightning-recover] supervise: interrupted while waiting to relaunch; not relaunching")
+            return False
+        self.plan = decision.plan
+        self.relaunches += 1
+        return True
