@@ -95,18 +95,54 @@ def run_supervised(
     (a rank lost before its communicator came up), the line is printed, the job ended and the
     status is :data:`START_LOST_STATUS`.
     """
-    started = time.time()
-    proc = subprocess.Popen(
-        list(argv), env=dict(env) if env is not None else None, stdout=stdout, stderr=stderr, start_new_session=True
-    )
+    job = _SupervisedJob(argv, env, stdout, stderr, grace_s)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, job.forwarder(on_signal)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while job.proc.poll() is None:
+            time.sleep(0.25)
+            status = job.poll(nprocs=nprocs, finished=finished, start_watch=start_watch, watch=watch)
+            if status is not None:
+                return status
+            if deadline is not None and time.monotonic() > deadline:
+                job.end()
+                raise subprocess.TimeoutExpired(list(argv), timeout_s or 0)
+        return job.proc.returncode
+    finally:
+        job.clean_up(refused)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
-    def kill_group() -> list[int]:
+
+class _SupervisedJob:
+    """:func:`run_supervised`'s ``mpiexec`` and what its polls remember between them."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None, stdout: object, stderr: object,
+                 grace_s: float) -> None:
+        self.started = time.time()
+        self.proc = subprocess.Popen(
+            list(argv), env=dict(env) if env is not None else None, stdout=stdout, stderr=stderr, start_new_session=True
+        )
+        self.grace_s = grace_s
+        #: The most local ranks seen at once; since when none is left, and since when the last world is over.
+        self.seen = 0
+        self.empty_since: float | None = None
+        self.done_since: float | None = None
+        #: The start watch ended the job (the ranks it ends are not news: its line was the one).
+        self.start_lost = False
+
+    def ranks(self) -> list[int]:
+        return session_ranks(self.proc.pid)
+
+    def kill_group(self) -> list[int]:
         # mpiexec's own group, and its ranks BY PID: PRRTE puts every rank in a process group of
         # its own (it keeps mpiexec's session), so killpg(mpiexec) alone leaves them running,
         # re-parented to pid 1, when mpiexec goes first.
-        ranks = session_ranks(proc.pid)
+        ranks = self.ranks()
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         for pid in ranks:
@@ -116,84 +152,72 @@ def run_supervised(
                 pass
         return ranks
 
-    def forward(signum: int, _frame: object) -> None:
-        if on_signal is not None:
-            on_signal(signum)
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
+    def end(self) -> None:
+        self.kill_group()
+        self.proc.wait()
 
-    start_lost = False
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        seen, empty_since, done_since = 0, None, None
-        while proc.poll() is None:
-            time.sleep(0.25)
-            now = time.monotonic()
-            if finished is not None:
-                done_since = (done_since or now) if finished() else None
-                if done_since is not None and now - done_since > grace_s and proc.poll() is None:
-                    print(
-                        "[lightning-recover] every rank of the job's last world has left, but mpiexec keeps "
-                        "waiting on ranks it cannot reach (a frozen or cut-off host); ending it",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    kill_group()
-                    proc.wait()
-                    return 0
-            if nprocs:
-                live = len(session_ranks(proc.pid))
-                seen = max(seen, live)
-                empty_since = (empty_since or now) if seen >= nprocs and live == 0 else None
-                if empty_since is not None and now - empty_since > grace_s and proc.poll() is None:
-                    print(
-                        f"[lightning-recover] all {nprocs} ranks are gone but mpiexec keeps waiting (a stuck abort); "
-                        f"ending it with status {ABORTED_STATUS}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    kill_group()
-                    proc.wait()
-                    return ABORTED_STATUS
-            if start_watch is not None:
-                line = start_watch(lambda: session_ranks(proc.pid))
-                if line is not None and proc.poll() is None:
-                    print(f"[lightning-recover] {line}", file=sys.stderr, flush=True)
-                    start_lost = True  # the ranks it ends are not news: that line was the one
-                    kill_group()
-                    proc.wait()
-                    return START_LOST_STATUS
-            reason = watch() if watch is not None else None
-            if reason is not None and proc.poll() is None:
-                print(f"[lightning-recover] {reason}; ending the job", file=sys.stderr, flush=True)
-                kill_group()
-                proc.wait()
-                return STALLED_STATUS
-            if deadline is not None and now > deadline:
-                kill_group()
-                proc.wait()
-                raise subprocess.TimeoutExpired(list(argv), timeout_s or 0)
-        return proc.returncode
-    finally:
-        exited = proc.poll() is not None
-        left = kill_group()  # leftovers (a SIGSTOPped rank) never outlive the job
-        if left and exited and not start_lost and not (refused is not None and refused()):
+    def forwarder(self, on_signal: Callable[[int], None] | None) -> Callable[[int, object], None]:
+        """A signal handler that sends Ctrl-C and SIGTERM to the whole job, and tells ``on_signal``."""
+
+        def forward(signum: int, _frame: object) -> None:
+            if on_signal is not None:
+                on_signal(signum)
+            try:
+                os.killpg(self.proc.pid, signum)
+            except ProcessLookupError:
+                pass
+
+        return forward
+
+    def poll(
+        self, *, nprocs: int | None, finished: Callable[[], bool] | None,
+        start_watch: Callable[[Callable[[], list[int]]], str | None] | None, watch: Callable[[], str | None] | None,
+    ) -> int | None:
+        """One look at the running job: the status to return after ending it (each rule of the module
+        docstring, in order), or None to go on."""
+        now = time.monotonic()
+        if finished is not None:
+            self.done_since = (self.done_since or now) if finished() else None
+            if self.done_since is not None and now - self.done_since > self.grace_s and self.proc.poll() is None:
+                return self._ended("every rank of the job's last world has left, but mpiexec keeps waiting on ranks it "
+                                   "cannot reach (a frozen or cut-off host); ending it", 0)
+        if nprocs:
+            live = len(self.ranks())
+            self.seen = max(self.seen, live)
+            self.empty_since = (self.empty_since or now) if self.seen >= nprocs and live == 0 else None
+            if self.empty_since is not None and now - self.empty_since > self.grace_s and self.proc.poll() is None:
+                return self._ended(f"all {nprocs} ranks are gone but mpiexec keeps waiting (a stuck abort); "
+                                   f"ending it with status {ABORTED_STATUS}", ABORTED_STATUS)
+        if start_watch is not None:
+            line = start_watch(self.ranks)
+            if line is not None and self.proc.poll() is None:
+                self.start_lost = True
+                return self._ended(line, START_LOST_STATUS)
+        reason = watch() if watch is not None else None
+        if reason is not None and self.proc.poll() is None:
+            return self._ended(f"{reason}; ending the job", STALLED_STATUS)
+        return None
+
+    def _ended(self, line: str, status: int) -> int:
+        print(f"[lightning-recover] {line}", file=sys.stderr, flush=True)
+        self.end()
+        return status
+
+    def clean_up(self, refused: Callable[[], bool] | None) -> None:
+        """After the job, however it ended: no rank outlives it (a SIGSTOPped one neither), nor its
+        heartbeat directories and shared-memory segments on this host."""
+        exited = self.proc.poll() is not None
+        left = self.kill_group()
+        if left and exited and not self.start_lost and not (refused is not None and refused()):
             print(f"[lightning-recover] {len(left)} rank(s) outlived mpiexec; ended them (SIGKILL): pids {left}",
                   file=sys.stderr, flush=True)
         deadline = time.monotonic() + 5.0
         while left and time.monotonic() < deadline:  # gone before the caller starts anything else
-            left = [p for p in left if p in session_ranks(proc.pid)]
+            left = [p for p in left if p in self.ranks()]
             time.sleep(0.05)
-        if proc.poll() is not None:
-            remove_launch_directories(proc.pid)
-            remove_orphaned_segments(started)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        if self.proc.poll() is not None:
+            remove_launch_directories(self.proc.pid)
+            remove_orphaned_segments(self.started)
 
 
 def remove_orphaned_segments(since: float, base: Path = Path("/dev/shm")) -> list[Path]:
