@@ -10,6 +10,10 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lightning_recover.cli.supervision import Host
 
 
 SUPERVISE_HELP = """\
@@ -30,10 +34,54 @@ lost is printed (detection, relaunch, restore, replay since the checkpoint).
 
 
 def _launch(argv: list[str]) -> int:
-    from lightning_recover.cli.hosts import slurm_allocation
-    from lightning_recover.cli.launcher import DEFAULT_RESUME_ARG, launch, supervise
-    from lightning_recover.cli.supervision import SupervisionPolicy, parse_host_list, parse_hostfile
+    from lightning_recover.cli.launcher import launch, supervise
+    from lightning_recover.cli.supervision import SupervisionPolicy
     from lightning_recover.runtime.slurm import allocation_tasks, daemon_step_args, tasks_outnumber_cpus
+
+    args = _launch_parser().parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.hang_timeout is not None:
+        if not args.hang_timeout >= 0 or args.hang_timeout == float("inf"):
+            print(f"lightning-recover launch: --hang-timeout must be >= 0 seconds, got {args.hang_timeout:g}", file=sys.stderr)
+            return 2
+        os.environ["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{args.hang_timeout:g}"
+    detector = args.hang_timeout if args.mpi_detector and args.hang_timeout else None
+    try:
+        tasks = allocation_tasks()
+        nprocs = args.nprocs if args.nprocs is not None else tasks
+        if nprocs is None:
+            raise ValueError("give the number of ranks: -n N (only inside a Slurm allocation does it default to SLURM_NTASKS)")
+        # Inside an allocation whose nodes hold more tasks than CPUs (sbatch -O), or asked for more ranks
+        # than tasks, Open MPI's binding to cores fails: run unbound, unless the user chose a binding.
+        unbound = (
+            tasks is not None and (tasks_outnumber_cpus() or nprocs > tasks)
+            and not any(a.startswith("--bind-to") for a in args.mpi_arg)
+        )
+        hosts = _hosts_of(args)
+        mpi_args = [*args.mpi_arg, *daemon_step_args(args.mpi_arg)]  # --overlap for Open MPI's srun inside an allocation
+        if not args.supervise:
+            return launch(
+                nprocs, command, hang_timeout=detector, extra=mpi_args, hosts=hosts, unbound=unbound,
+                status_root=args.status_dir,
+            )
+        if args.checkpoint_dir is None:
+            raise ValueError("--supervise needs --checkpoint-dir DIR (the job's recover.checkpoint.dir), where a relaunch resumes from")
+        policy = SupervisionPolicy(
+            max_relaunches=args.max_relaunches, replica_size=args.replica_size, min_replicas=args.min_replicas,
+            oversubscribe=args.oversubscribe, backoff_s=args.relaunch_backoff, max_backoff_s=max(60.0, args.relaunch_backoff),
+        )
+        return supervise(
+            nprocs, command, policy=policy, checkpoint_dir=args.checkpoint_dir, hosts=hosts, ledger=args.ledger,
+            resume_arg=args.resume_arg, stall_timeout_s=args.stall_timeout, hang_timeout=detector, extra=mpi_args,
+            status_root=args.status_dir, unbound=unbound,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"lightning-recover launch: {exc}", file=sys.stderr)
+        return 2
+
+
+def _launch_parser() -> argparse.ArgumentParser:
+    from lightning_recover.cli.launcher import DEFAULT_RESUME_ARG
 
     parser = argparse.ArgumentParser(
         prog="lightning-recover launch",
@@ -81,56 +129,23 @@ def _launch(argv: list[str]) -> int:
                         help="where the ranks leave their status markers, kept after the job (default: a temporary "
                         "directory here, removed); on several hosts give a directory every host shares")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ...")
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if args.hang_timeout is not None:
-        if not args.hang_timeout >= 0 or args.hang_timeout == float("inf"):
-            print(f"lightning-recover launch: --hang-timeout must be >= 0 seconds, got {args.hang_timeout:g}", file=sys.stderr)
-            return 2
-        os.environ["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{args.hang_timeout:g}"
-    detector = args.hang_timeout if args.mpi_detector and args.hang_timeout else None
-    try:
-        tasks = allocation_tasks()
-        nprocs = args.nprocs if args.nprocs is not None else tasks
-        if nprocs is None:
-            raise ValueError("give the number of ranks: -n N (only inside a Slurm allocation does it default to SLURM_NTASKS)")
-        hosts = None
-        # Inside an allocation whose nodes hold more tasks than CPUs (sbatch -O), or asked for more ranks
-        # than tasks, Open MPI's binding to cores fails: run unbound, unless the user chose a binding.
-        unbound = (
-            tasks is not None and (tasks_outnumber_cpus() or nprocs > tasks)
-            and not any(a.startswith("--bind-to") for a in args.mpi_arg)
-        )
-        if args.hosts is not None:
-            hosts = parse_host_list(args.hosts)
-        elif args.hostfile is not None:
-            try:
-                with open(args.hostfile, encoding="utf-8") as f:
-                    hosts = parse_hostfile(f.read(), args.hostfile)
-            except OSError as exc:
-                raise ValueError(f"--hostfile {args.hostfile!r} cannot be read ({exc.strerror or exc})") from None
-        else:
-            hosts = slurm_allocation()  # None outside Slurm: this machine
-        mpi_args = [*args.mpi_arg, *daemon_step_args(args.mpi_arg)]  # --overlap for Open MPI's srun inside an allocation
-        if not args.supervise:
-            return launch(
-                nprocs, command, hang_timeout=detector, extra=mpi_args, hosts=hosts, unbound=unbound,
-                status_root=args.status_dir,
-            )
-        if args.checkpoint_dir is None:
-            raise ValueError("--supervise needs --checkpoint-dir DIR (the job's recover.checkpoint.dir), where a relaunch resumes from")
-        policy = SupervisionPolicy(
-            max_relaunches=args.max_relaunches, replica_size=args.replica_size, min_replicas=args.min_replicas,
-            oversubscribe=args.oversubscribe, backoff_s=args.relaunch_backoff, max_backoff_s=max(60.0, args.relaunch_backoff),
-        )
-        return supervise(
-            nprocs, command, policy=policy, checkpoint_dir=args.checkpoint_dir, hosts=hosts, ledger=args.ledger,
-            resume_arg=args.resume_arg, stall_timeout_s=args.stall_timeout, hang_timeout=detector, extra=mpi_args,
-            status_root=args.status_dir, unbound=unbound,
-        )
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"lightning-recover launch: {exc}", file=sys.stderr)
-        return 2
+    return parser
+
+
+def _hosts_of(args: argparse.Namespace) -> tuple[Host, ...] | None:
+    """The hosts of --hosts or --hostfile, else the Slurm allocation's nodes; None: this machine."""
+    from lightning_recover.cli.hosts import slurm_allocation
+    from lightning_recover.cli.supervision import parse_host_list, parse_hostfile
+
+    if args.hosts is not None:
+        return parse_host_list(args.hosts)
+    if args.hostfile is not None:
+        try:
+            with open(args.hostfile, encoding="utf-8") as f:
+                return parse_hostfile(f.read(), args.hostfile)
+        except OSError as exc:
+            raise ValueError(f"--hostfile {args.hostfile!r} cannot be read ({exc.strerror or exc})") from None
+    return slurm_allocation()  # None outside Slurm: this machine
 
 
 def _check_ledger(argv: list[str]) -> int:
