@@ -1,4 +1,5 @@
-"""The package's layers: every import points down, no module cycle, Lightning and MPI where they belong.
+"""The package's layers: every import points down, no module cycle, Lightning and MPI where they belong;
+and few long functions.
 
 The package is cut into layers (its folders, see the map in ``lightning_recover/__init__.py``);
 a module may import its own layer and the layers below it, never one above. This test reads
@@ -222,3 +223,33 @@ def test_the_graph_sees_lazy_relative_and_type_checking_imports(tmp_path: Path) 
     assert {f"{PACKAGE}.comm.topology", f"{PACKAGE}.recovery.engine", f"{PACKAGE}.strategies.recover_hsdp"} <= targets
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}}) is None
+
+
+#: Issue 38: at most this many functions of the package are longer than LONG_FUNCTION lines (a step,
+#: a command, a repair must read top to bottom; split by what each part decides).
+LONG_FUNCTION = 60
+LONG_FUNCTIONS_ALLOWED = 3
+
+
+def long_functions(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+                length = node.end_lineno - node.lineno + 1
+                if length > LONG_FUNCTION:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def test_few_package_functions_are_long() -> None:
+    found = long_functions(ROOT)
+    assert len(found) <= LONG_FUNCTIONS_ALLOWED, (
+        f"{len(found)} functions over {LONG_FUNCTION} lines (at most {LONG_FUNCTIONS_ALLOWED}): {found}; split the new one")
+
+
+def test_the_long_function_count_sees_a_long_function(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("def short():\n    return 1\n\n\ndef long():\n" + "    x = 1\n" * LONG_FUNCTION + "    return x\n")
+    assert long_functions(pkg) == [f"pkg/m.py:5 long ({LONG_FUNCTION + 2} lines)"]
