@@ -92,10 +92,10 @@ def launch(
         where = tempfile.TemporaryDirectory(prefix="lightning-recover-status-")
     with where as status_dir:
         env[ENV_STATUS_DIR] = status_dir
-        with _console(functools.partial(print, file=sys.stderr, flush=True)) as (stdout, stderr):
+        with _console(functools.partial(print, file=sys.stderr, flush=True)) as console:
             status = run_supervised(
                 argv, env, nprocs=nprocs if here else None, finished=lambda: JobMarkers.read(status_dir).over(nprocs),
-                refused=lambda: JobMarkers.read(status_dir).refused, stdout=stdout, stderr=stderr,
+                refused=lambda: JobMarkers.read(status_dir).refused, stdout=console.stdout, stderr=console.stderr,
                 # Ranks placed elsewhere by a --host passed through --mpi-arg are not in mpiexec's session here.
                 start_watch=(start := StartWatch(status_dir, nprocs, all_local=here and not spans_hosts(argv))).poll,
             )
@@ -184,23 +184,36 @@ class _Tee(threading.Thread):
             pass
 
 
+@dataclasses.dataclass
+class _Console:
+    """mpiexec's stdout and stderr write ends, and the tees that copy them to ours."""
+
+    stdout: int
+    stderr: int
+    tees: list[_Tee]
+
+    def tail(self) -> str:
+        """The last lines mpiexec wrote (what the supervisor's judgement reads)."""
+        return b"\n".join(t.tail for t in self.tees).decode("utf-8", "replace")
+
+
 @contextlib.contextmanager
-def _console(say: Callable[[str], None]) -> Iterator[tuple[int, int]]:
+def _console(say: Callable[[str], None], prefix: str = "") -> Iterator[_Console]:
     """mpiexec's stdout and stderr write ends, copied to ours through :class:`_Tee` (NBC lines left out);
-    at the end, one line says how many were left out."""
+    at the end, one line (after ``prefix``) says how many were left out."""
     pipes = [os.pipe(), os.pipe()]
     tees = [_Tee(r, sink) for (r, _), sink in zip(pipes, (sys.stdout, sys.stderr))]
     for t in tees:
         t.start()
     try:
-        yield pipes[0][1], pipes[1][1]
+        yield _Console(pipes[0][1], pipes[1][1], tees)
     finally:
         for _, w in pipes:
             os.close(w)
         for t in tees:
             t.join(10)  # a rank elsewhere that still holds the pipe must not hold the launcher
         if (line := summary(sum(t.filter.dropped for t in tees))) is not None:
-            say(f"[lightning-recover] {line}")
+            say(f"[lightning-recover] {prefix}{line}")
 
 
 class _Progress:
@@ -403,32 +416,20 @@ class _Supervisor:
         t_start = time.time()
         att = _Attempt(self.relaunches + 1, status_dir, t_start, _Progress(self.ledger, t_start))
         interrupted: list[int] = []
-        pipes = [os.pipe(), os.pipe()]
-        tees = [_Tee(r, sink) for (r, _), sink in zip(pipes, (sys.stdout, sys.stderr))]
-        for t in tees:
-            t.start()
         start = StartWatch(status_dir, plan.nprocs, all_local=self.local and not spans_hosts(argv))
-        try:
+        with _console(self.say, prefix=f"supervise: attempt {att.number}: ") as console:
             att.status = run_supervised(argv, env, nprocs=plan.nprocs if self.local else None, watch=lambda: self._watch(att),
-                                        stdout=pipes[0][1], stderr=pipes[1][1], on_signal=interrupted.append,
+                                        stdout=console.stdout, stderr=console.stderr, on_signal=interrupted.append,
                                         finished=lambda: JobMarkers.read(status_dir).over(plan.nprocs),
                                         refused=lambda: JobMarkers.read(status_dir).refused, start_watch=start.poll)
-        finally:
-            for _, w in pipes:
-                os.close(w)
-            for t in tees:
-                t.join(10)  # a rank elsewhere that still holds the pipe must not hold the supervisor
-        if (line := summary(sum(t.filter.dropped for t in tees))) is not None:
-            self.say(f"[lightning-recover] supervise: attempt {att.number}: {line}")
         att.ended = time.time()
         att.progress.poll()
         if interrupted:
             att.interrupted = interrupted[0]
             return att
         att.markers = markers = start.local_hosts(settled_markers(status_dir, att.status))
-        tail = b"\n".join(t.tail for t in tees).decode("utf-8", "replace")
         att.outcome = Outcome(
-            plan.nprocs, att.status, tail, started=frozenset(markers.started), ok=frozenset(markers.ok),
+            plan.nprocs, att.status, console.tail(), started=frozenset(markers.started), ok=frozenset(markers.ok),
             exited=frozenset(markers.ended - markers.ok), no_quorum=frozenset(markers.no_quorum),
             raised={r: s for r, (_, s) in markers.raised.items()}, stalled=att.status == STALLED_STATUS,
             lost_at_start=att.status == START_LOST_STATUS or bool(markers.lost_at_start),
