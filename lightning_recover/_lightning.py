@@ -30,7 +30,7 @@ PRIVATE: dict[str, tuple[str, str]] = {
         "hand_over_checkpoint, dump_checkpoint", "a re-joined rank's checkpoint arrives in memory, and a donor sends "
         "what trainer.save_checkpoint would write: neither has a public API"),
     "Trainer._results": (
-        "fit_results; strategies/step_logs.py", "the logged values of a step: no public API exposes per-call values"),
+        "fit_results; strategies/synced_logs.py", "the logged values of a step: no public API exposes per-call values"),
     "Trainer._logger_connector": (
         "logging_as_training_step, loggers_write_this_step", "a later microbatch of a step is a later batch of the epoch "
         "(its _first_loop_iter); whether this step's values reach the loggers (its should_update_logs)"),

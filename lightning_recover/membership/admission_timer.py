@@ -3,7 +3,7 @@
 A replacement or a seated standby (:mod:`lightning_recover.cli.joiner`, its entry point) that
 is not admitted within its seat's timeout leaves by itself -- its attempt was dropped, the
 survivors died or finished -- so the survivors never wait on it and nothing is left behind.
-The survivors' side of the exchange (:mod:`lightning_recover.recovery.admission`) tells it
+The survivors' side of the exchange (:mod:`lightning_recover.recovery.rejoin`) tells it
 when it is a member (:func:`admitted`) or gives it the full timeout again when their own
 repair dropped the attempt (:func:`restart_timer`).
 """

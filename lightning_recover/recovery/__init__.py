@@ -10,7 +10,7 @@ in one process is :mod:`lightning_recover.testing.fake`.
   overlap     the overlapped reduction: buckets reduced while backward runs
   step_values the step's loss and logged values, summed once at the commit
   job         RecoveryJob: one rank's running job (build, start, resume, re-join, close)
-  admission   re-join as the running job runs it: survivors admit ready replacements and
+  rejoin      re-join as the running job runs it: survivors admit ready replacements and
               send the live state; a replacement waits for its GO and receives it
 
 Nothing here imports Lightning; only job imports MPI, when it starts a rank.

@@ -23,7 +23,7 @@ re-join only on a replacement)::
                                              today's replicas; state_dict() is what a
                                              checkpoint or a donor's transfer carries
     re-join  take_over(state)                a replacement takes a donor's protocol state
-                                             (:mod:`lightning_recover.recovery.admission`
+                                             (:mod:`lightning_recover.recovery.rejoin`
                                              runs the exchange itself)
     close    close()                         the survivors' last agreement (repairing a
                                              death after the last commit), the watchdog
@@ -210,7 +210,7 @@ class RecoveryJob:
         """This process replaces a lost rank: everything of :meth:`start` that needs no survivor.
 
         It becomes a member of the world in the strategy's ``setup``
-        (:func:`lightning_recover.recovery.admission.join_world`), once its model and
+        (:func:`lightning_recover.recovery.rejoin.join_world`), once its model and
         optimizer exist to receive the live state."""
         self._host = host
         milestones.mark("strategy")

@@ -64,7 +64,7 @@ def reduce_logged(job: RecoveryJob, tensor: Tensor, reduce_op: Any, *, evaluatin
     st = job.engine.state
     if st is not None and not st.agreed:
         # Inside a step ranks run different numbers of microbatches: a collective per
-        # self.log call would pair different calls. The commit reduces them (step_logs).
+        # self.log call would pair different calls. The commit reduces them (synced_logs).
         return tensor
     if evaluating:
         # Ranks evaluate different numbers of batches (no padding); epoch values are synced.

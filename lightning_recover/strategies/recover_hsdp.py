@@ -17,7 +17,7 @@ only; each delegates:
   ``all_gather`` and torchmetrics: :mod:`~.metrics`; evaluation: :mod:`~.evaluation_loader`;
   checkpoints: :mod:`~.checkpoints`; the Trainer's checks and callbacks: :mod:`~.trainer_setup`;
 * hot re-join at every step boundary (``on_train_batch_start``) and a replacement's
-  setup: :mod:`lightning_recover.recovery.admission`, with Lightning's checkpoint
+  setup: :mod:`lightning_recover.recovery.rejoin`, with Lightning's checkpoint
   dumped and restored in memory.
 
 Loss convention: ``training_step`` returns the mean loss over its (shard's slice of the)
@@ -51,13 +51,13 @@ from lightning_recover.config import RecoverConfig
 from lightning_recover.feed.data import StepTicket, TicketLoader
 from lightning_recover.membership import orphan
 from lightning_recover.membership.seat import seat as spawned_seat
-from lightning_recover.recovery import admission
+from lightning_recover.recovery import rejoin
 from lightning_recover.recovery.job import RecoveryJob
 from lightning_recover.runtime import lifecycle
 from lightning_recover.runtime.refusal import install_refusal_hook
 from lightning_recover.runtime.slurm import refuse_direct_launch
 from lightning_recover.strategies import checkpoint_io, metrics
-from lightning_recover.strategies.checkpoints import Checkpoints
+from lightning_recover.strategies.checkpoint_hooks import CheckpointHooks
 from lightning_recover.strategies.environment import ReplicaEnvironment
 from lightning_recover.strategies.evaluation_loader import EvaluationLoader, EvaluationSteps, splittable
 from lightning_recover.strategies.probes import install_progress_hooks
@@ -118,7 +118,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self._logging = StepLogging(lambda: self.lightning_module, lambda: self.global_rank == 0)
         self._steps = TrainingSteps(self, super().training_step, self._logging)
         self._eval = EvaluationSteps(lambda: self.probes, self.replica_guard)
-        self._checkpoints = Checkpoints(self.job, self._protocol_state, self.replica_guard)
+        self._checkpoints = CheckpointHooks(self.job, self._protocol_state, self.replica_guard)
 
     # ------------------------------------------------------------------ the job, as attributes
     config = property(lambda self: self.job.config, doc="The settings (B, G_init, T and the seed from the checkpoint once resumed).")
@@ -272,7 +272,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         metrics.route_metric_sync(self.lightning_module, self.job, lambda: self.world_size)
         if self.job.joining is not None:
-            admission.join_world(
+            rejoin.join_world(
                 self.job, self.job.joining, mesh=self._device_mesh if self.config.shards > 1 else None, device=self.root_device,
                 state_key=checkpoint_io.STATE_KEY, restore=lambda checkpoint: self._restore_handed(trainer, checkpoint),
             )
@@ -282,7 +282,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             live_replicas=lambda: len(self.comm.alive_replicas) if self.comm is not None else 0,
         )
         assert self.comm is not None and self.engine is not None and self.model is not None
-        admission.sync_initial_state(self.job, [local(t.data) for t in [*self.model.parameters(), *self.model.buffers()]])
+        rejoin.sync_initial_state(self.job, [local(t.data) for t in [*self.model.parameters(), *self.model.buffers()]])
 
     @override
     def model_to_device(self) -> None:
@@ -292,9 +292,9 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ hot re-join
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """The step boundary of hot re-join: the recruiter's turn (see :mod:`lightning_recover.recovery.admission`)."""
+        """The step boundary of hot re-join: the recruiter's turn (see :mod:`lightning_recover.recovery.rejoin`)."""
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        admission.step_boundary(self.job, batch_idx, dump=lambda: self._dump_for_replacement(trainer), guard=self.replica_guard)
+        rejoin.step_boundary(self.job, batch_idx, dump=lambda: self._dump_for_replacement(trainer), guard=self.replica_guard)
 
     def _dump_for_replacement(self, trainer: Trainer) -> dict[str, Any]:
         """Lightning's checkpoint of this moment and the epoch's committed totals (logged values, metric states)."""

@@ -6,7 +6,7 @@ consistent with both:
 
 * each microbatch logs as one batch of the epoch (:meth:`StepLogging.as_batch`);
 * what a microbatch logs with ``sync_dist=True`` is captured for the commit's reduction
-  and written back once the step committed (:class:`~.step_logs.StepLogs`: :meth:`begin_step`,
+  and written back once the step committed (:class:`~.synced_logs.SyncedLogs`: :meth:`begin_step`,
   :meth:`start`, :meth:`capture`, :meth:`apply`), and so is what it adds to the states of the
   module's torchmetrics (:class:`~.step_metrics.StepMetrics`);
 * the committed step's own values (loss, live replicas, world epoch, faults) are logged
@@ -17,7 +17,7 @@ consistent with both:
   leadership and rescales the summed epoch totals (:meth:`on_membership`).
 
 Private Lightning members are reached only through :mod:`lightning_recover._lightning`
-(and :mod:`.step_logs`, listed there).
+(and :mod:`.synced_logs`, listed there).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from lightning_recover import _lightning
 from lightning_recover.callbacks.loggers import LeaderLogs
 from lightning_recover.recovery.engine import StepEngine
 from lightning_recover.recovery.step_values import Values
-from lightning_recover.strategies.step_logs import StepLogs
+from lightning_recover.strategies.synced_logs import SyncedLogs
 from lightning_recover.strategies.step_metrics import StepMetrics
 
 __all__ = ["StepLogging"]
@@ -44,7 +44,7 @@ class StepLogging:
     def __init__(self, module: Callable[[], LightningModule | None], is_leader: Callable[[], bool] = lambda: True) -> None:
         self._module = module
         self._is_leader = is_leader
-        self._step_logs = StepLogs()
+        self._synced_logs = SyncedLogs()
         self._metrics = StepMetrics()
         self._bases: dict[str, tuple[float, float]] = {}
         #: The step-local id of the microbatch running (its logged values are recorded under it).
@@ -57,21 +57,21 @@ class StepLogging:
 
     def begin_step(self) -> None:
         """A step begins: the epoch totals it starts from (logged values and torchmetrics states)."""
-        self._bases = self._step_logs.begin_step(self._results())
+        self._bases = self._synced_logs.begin_step(self._results())
         self._metrics.begin_step(self._module())
 
     def start(self) -> None:
         """A microbatch begins."""
-        self._step_logs.start(self._results())
+        self._synced_logs.start(self._results())
         self._metrics.start(self._module())
 
     def capture(self, engine: StepEngine) -> None:
         """What the microbatch just computed logged with sync_dist, and added to torchmetrics states, for the commit's reduction."""
-        engine.record_logged(self.offset, {**self._step_logs.capture(self._results()), **self._metrics.capture(self._module())})
+        engine.record_logged(self.offset, {**self._synced_logs.capture(self._results()), **self._metrics.capture(self._module())})
 
     def apply(self, totals: dict[str, Values], world_size: int) -> None:
         """The step committed: its reduced values go back into Lightning's results and the metrics' states."""
-        self._step_logs.apply(self._results(), totals, self._bases, world_size)
+        self._synced_logs.apply(self._results(), totals, self._bases, world_size)
         self._metrics.apply(self._module(), totals, leader=self._is_leader())
 
     @contextmanager
@@ -157,17 +157,17 @@ class StepLogging:
 
     def handover(self) -> dict[str, Any]:
         """The epoch's committed totals (synced logged values, torchmetrics states) a replacement takes over."""
-        return {"logs": self._step_logs.totals(self._results()), "metrics": self._metrics.totals(self._module())}
+        return {"logs": self._synced_logs.totals(self._results()), "metrics": self._metrics.totals(self._module())}
 
     def take_over(self, totals: dict[str, Any]) -> None:
         """A replacement joins mid-epoch with the survivors' totals (:meth:`handover`), so the epoch's values stay
         the fault-free run's on every rank it may lead."""
-        self._step_logs.take_over(totals.get("logs", {}))
+        self._synced_logs.take_over(totals.get("logs", {}))
         self._metrics.take_over(self._module(), totals.get("metrics", {}), leader=self._is_leader())
 
     def on_membership(self, world_size: int, is_leader: bool) -> None:
         """The world changed (a repair or a join): the summed epoch totals and the leadership follow."""
-        self._step_logs.rescale(world_size)
+        self._synced_logs.rescale(world_size)
         self._metrics.rehome(self._module(), leader=is_leader)
         if self.leader_logs is not None:
             self.leader_logs.leadership(is_leader)

@@ -4,7 +4,7 @@ A ``Metric`` updated in ``training_step`` (a ``MeanMetric`` of the loss, a ``Per
 accumulates on each rank what that rank computed. Under the recovery protocol that is not
 the fault-free run's epoch: a lost replica takes its share of the epoch with it, survivors
 replay its microbatches of the step it died in, spares shadow contributors. So, like the
-values logged with ``sync_dist=True`` (:mod:`.step_logs`), each microbatch's increment of
+values logged with ``sync_dist=True`` (:mod:`.synced_logs`), each microbatch's increment of
 every state the metric sums across ranks (``dist_reduce_fx="sum"`` or ``"mean"``, a tensor)
 is recorded for the commit's reduction (:mod:`lightning_recover.recovery.step_values`),
 which adds up the step's B owned microbatches exactly once each over every live rank. At

@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from lightning_recover import _lightning
 from lightning_recover.feed.data import MicrobatchSource
 from lightning_recover.feed.loading import MicrobatchFeed
-from lightning_recover.recovery import admission
+from lightning_recover.recovery import rejoin
 from lightning_recover.recovery.job import RecoveryJob
 from lightning_recover.recovery.overlap import OverlappedReduction
 from lightning_recover.strategies.sharding import local, set_gradient_sync
@@ -112,7 +112,7 @@ class TrainingSteps:
         assert job.engine is not None
         self._batch_idx = batch_idx
         if job.joining is not None:
-            admission.first_step(job)
+            rejoin.first_step(job)
         job.engine.begin(self._strategy.lightning_module.trainer.global_step)  # type: ignore[union-attr]
         # The microbatches planned now run first; the last of them reduce-scatters inside the
         # replica and overlaps the cross-replica reduction (see before_backward).

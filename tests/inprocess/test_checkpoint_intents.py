@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_recover.strategies import checkpoint_io
-from lightning_recover.strategies.checkpoints import forget_checkpoints
+from lightning_recover.strategies.checkpoint_hooks import forget_checkpoints
 
 
 def test_published_means_the_file_and_a_dcp_folder_of_that_step(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ Lightning syncs an ``on_step`` value inside ``self.log`` (one collective per cal
 protocol ranks compute different numbers of microbatches (spares shadow, survivors replay
 a lost replica's ids), so a collective per call would pair different calls across ranks.
 Instead, between the step's start and its agreed reduction the strategy's ``reduce``
-returns the local value, and :class:`StepLogs`:
+returns the local value, and :class:`SyncedLogs`:
 
 1. notes what each microbatch added to every synced tensor value (:meth:`capture`), which
    the step engine sums over the step's B microbatches, exactly once each, in the commit's
@@ -41,7 +41,7 @@ class _Before:
 
 @dataclass
 class _Written:
-    """What :meth:`StepLogs.apply` last stored in one result: Lightning replaces the tensor when it resets."""
+    """What :meth:`SyncedLogs.apply` last stored in one result: Lightning replaces the tensor when it resets."""
 
     tensor: Tensor
     value: float
@@ -55,7 +55,7 @@ def _synced(result: Any) -> bool:
     return bool(result.is_tensor and result.meta.sync.should and not result.meta.sync.rank_zero_only)
 
 
-class StepLogs:
+class SyncedLogs:
     """Per-microbatch capture and commit-time write-back of synced logged values; see the module docstring."""
 
     def __init__(self) -> None:

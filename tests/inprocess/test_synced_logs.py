@@ -1,6 +1,6 @@
 """In-process checks of the commit-time sync of ``self.log(..., sync_dist=True)`` values.
 
-:mod:`lightning_recover.strategies.step_logs` against Lightning's own result collection
+:mod:`lightning_recover.strategies.synced_logs` against Lightning's own result collection
 (no MPI): per-microbatch capture, the write-back of reduced totals, and the refusals the
 docs/lightning.md promises; :mod:`lightning_recover.recovery.step_values` for the key check.
 """
@@ -13,7 +13,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import _Result
 
 from lightning_recover.config import ConfigurationError
 from lightning_recover.recovery import step_values
-from lightning_recover.strategies.step_logs import StepLogs
+from lightning_recover.strategies.synced_logs import SyncedLogs
 
 
 def local(value: torch.Tensor, **_: object) -> torch.Tensor:
@@ -26,7 +26,7 @@ def log(results: _ResultCollection, name: str, value: float, batch_size: int, re
 
 
 def test_microbatches_are_captured_and_the_reduced_step_is_written_back() -> None:
-    results, logs = _ResultCollection(training=True), StepLogs()
+    results, logs = _ResultCollection(training=True), SyncedLogs()
     bases = logs.begin_step(results)
     captured = []
     for value, size in [(1.0, 4), (3.0, 2)]:
@@ -54,7 +54,7 @@ def test_max_with_sync_dist_in_a_step_is_refused_with_the_fix() -> None:
     results = _ResultCollection(training=True)
     log(results, "peak", 1.0, 1, reduce_fx="max")
     with pytest.raises(ConfigurationError, match="reduce_fx='mean' or 'sum'"):
-        StepLogs().start(results)
+        SyncedLogs().start(results)
 
 
 def test_ranks_logging_different_keys_are_told_which() -> None:
@@ -68,7 +68,7 @@ def test_ranks_logging_different_keys_are_told_which() -> None:
 def test_a_mean_is_not_divided_by_a_new_world_and_a_replacement_continues_the_totals() -> None:
     # Issue 34: a change of world after the epoch's last commit (a loss in its last validation) divided a
     # mean's accumulators by the live ranks; and a replacement joining mid-epoch started its totals from zero.
-    results, logs = _ResultCollection(training=True), StepLogs()
+    results, logs = _ResultCollection(training=True), SyncedLogs()
     bases = logs.begin_step(results)
     logs.start(results)
     log(results, "loss", 2.0, 4)
@@ -81,7 +81,7 @@ def test_a_mean_is_not_divided_by_a_new_world_and_a_replacement_continues_the_to
     assert float(count.value) * 3 == pytest.approx(4.0)  # a sum's share is spread over the new world
     handed = logs.totals(results)
     assert handed == {"training_step.loss": (8.0, 4.0), "training_step.count": (4.0, 0.0)}
-    joined_results, joined = _ResultCollection(training=True), StepLogs()
+    joined_results, joined = _ResultCollection(training=True), SyncedLogs()
     joined.take_over(handed)
     bases = joined.begin_step(joined_results)  # nothing logged yet on the replacement
     joined.start(joined_results)

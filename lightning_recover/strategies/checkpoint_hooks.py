@@ -1,6 +1,6 @@
 """The strategy's checkpoint hooks: who writes, what the checkpoint carries, and a resume.
 
-Lightning calls the strategy to save, remove and load checkpoints; :class:`Checkpoints`
+Lightning calls the strategy to save, remove and load checkpoints; :class:`CheckpointHooks`
 answers for it:
 
 * save: only the leader replica writes, through this rank's DCP writer
@@ -16,7 +16,7 @@ answers for it:
 * every file operation runs in the replica guard (a replica-mate's death ends this
   replica through the gate), and a write whose world was fenced off by a newer launch is
   refused (the communicator's fences);
-* a leader lost while it wrote (:meth:`Checkpoints.on_membership`): every rank remembers the
+* a leader lost while it wrote (:meth:`CheckpointHooks.on_membership`): every rank remembers the
   saves Lightning asked for (:class:`SaveIntent`), so a save the dead leader never
   published is finished by the new leader replica when no step committed since (the
   remembered state is still the state of that save), and otherwise forgotten by every
@@ -40,7 +40,7 @@ from lightning_recover import _lightning
 from lightning_recover.recovery.job import RecoveryJob
 from lightning_recover.strategies import checkpoint_io
 
-__all__ = ["Checkpoints", "SaveIntent"]
+__all__ = ["CheckpointHooks", "SaveIntent"]
 
 #: Saves remembered at most (a rank that never sees them published, e.g. without shared storage, must not grow).
 MAX_INTENTS = 8
@@ -63,7 +63,7 @@ class SaveIntent:
         return checkpoint_io.published(self.filepath, self.step)
 
 
-class Checkpoints:
+class CheckpointHooks:
     """One rank's checkpoint saves and loads; see the module docstring.
 
     ``protocol_state()``: the job's state of this step with the sample order;
