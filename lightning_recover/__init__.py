@@ -8,12 +8,12 @@ Layers, bottom up: a module imports only from its own layer or the ones listed b
   _compat     torch version checks, in one table
   _lightning  every use of Lightning's private API, with its reason and the version checked
   config      RecoverConfig: every setting, validated once (ConfigurationError)
-  workload    layer 3 (pure): the workload policy and the exactly-once microbatch planner
+  workload    ReCoVer's versatile workload (pure): the workload policy and the exactly-once microbatch planner
   audit       the step ledger, its report, corruption fingerprints, write fences
   runtime     a rank's process: start and end, status markers, Slurm, the hang watchdog
-  comm        layer 1: ULFM collectives and membership, data planes, the "ulfm" process group
+  comm        ReCoVer's fault-aware collectives: ULFM collectives and membership, data planes, the "ulfm" process group
   membership  hot re-join: the survivors' side and the replacement's side
-  recovery    layer 2: the step engine, its state and hooks, the overlapped reduction, the
+  recovery    ReCoVer's in-step recovery: the step engine, its state and hooks, the overlapped reduction, the
               running job (RecoveryJob) and the admission of replacements at a boundary
   feed        exactly-once data: the microbatch feed and the evaluation split
   callbacks   recovery callbacks, fault injection, fallback checkpoints, leader-safe loggers

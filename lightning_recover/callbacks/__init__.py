@@ -1,4 +1,4 @@
-"""Callbacks of the recovery protocol (layer 2), fault injection and checkpoints.
+"""Callbacks of the recovery protocol (ReCoVer's in-step recovery), fault injection and checkpoints.
 
 The step engine reduces; these own the decisions around a reduction, through the recovery
 hooks of :mod:`lightning_recover.recovery.hooks`: where the sums land and what a spare

@@ -1,4 +1,4 @@
-"""Layer 1: fault-aware communication over ULFM MPI, and the contract the step engine sees of it.
+"""ReCoVer's fault-aware collectives: communication over ULFM MPI, and the contract the step engine sees of it.
 
   topology       world rank <-> (replica, shard)
   ulfm           whether this MPI and launch have ULFM; which MPI errors mean a peer died

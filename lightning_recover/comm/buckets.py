@@ -1,6 +1,6 @@
-"""Gradient buckets and their world-epoch tags: what in-step recovery (layer 2) keeps of a reduction.
+"""Gradient buckets and their world-epoch tags: what ReCoVer's in-step recovery keeps of a reduction.
 
-Part of the communicator contract (layer 1 fills the buckets, layer 2 judges them), so it lives
+Part of the communicator contract (the collectives fill the buckets, in-step recovery judges them), so it lives
 beside :mod:`lightning_recover.comm.interface`.
 
 A step's cross-replica reduction is cut into buckets. Each bucket records the **world

@@ -1,4 +1,4 @@
-"""The collectives of the fault-aware communicator: bucketed reductions, broadcasts, gathers (layer 1).
+"""The collectives of the fault-aware communicator: bucketed reductions, broadcasts, gathers (ReCoVer's fault-aware collectives).
 
 :class:`Collectives` is the base class of
 :class:`~lightning_recover.comm.communicator.FaultTolerantComm` that moves data within the

@@ -1,4 +1,4 @@
-"""The fault-aware communicator over ULFM MPI: membership and its collectives (layer 1 of the recovery protocol).
+"""The fault-aware communicator over ULFM MPI: membership and its collectives (ReCoVer's fault-aware collectives).
 
 It keeps the :class:`~lightning_recover.comm.interface.ReplicaComm` contract with real
 processes. Collectives and membership only; how a rank starts and leaves (MPI settings,
@@ -54,7 +54,7 @@ when a :class:`FaultTolerantComm` is built.
 Whether this MPI has ULFM and which errors mean a death is :mod:`lightning_recover.comm.ulfm`;
 the bound on a repair is :mod:`lightning_recover.comm.repair_bound`.
 
-Nothing here imports Lightning, and importing this module imports no torch (layer 1 alone
+Nothing here imports Lightning, and importing this module imports no torch (the collectives alone
 runs without it: ``benchmarks/scaling_rank.py``): the collectives import it where tensors
 are handled, and a gloo/NCCL plane's module (:mod:`lightning_recover.comm.torch_plane`) is
 imported when such a plane is built.

@@ -1,4 +1,4 @@
-"""The data plane: how one bucket of the cross-replica gradient reduction travels (layer 1).
+"""The data plane: how one bucket of the cross-replica gradient reduction travels (ReCoVer's fault-aware collectives).
 
 ULFM MPI is the *control plane* of the recovery protocol: it detects failures, agrees and
 repairs membership (:mod:`lightning_recover.comm.communicator`). The *data plane* only moves

@@ -1,4 +1,4 @@
-"""The communicator contract the step engine runs against (layer 1 as layer 2 sees it).
+"""The communicator contract the step engine runs against (the collectives as in-step recovery sees them).
 
 Two implementations keep it: :class:`lightning_recover.comm.communicator.FaultTolerantComm`
 (ULFM MPI, real processes) and :class:`lightning_recover.testing.fake.FakeWorld`'s

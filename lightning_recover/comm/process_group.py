@@ -1,4 +1,4 @@
-"""The "ulfm" process group: layer 1's fault-tolerant communicator as a ``torch.distributed`` group.
+"""The "ulfm" process group: the fault-tolerant communicator as a ``torch.distributed`` group.
 
 The ReCoVer paper's ProcessGroupULFM, in Python. :class:`ProcessGroupULFM` is what
 ``ReCoVerHSDPStrategy.replica_group`` returns: user code (a LightningModule, a callback)

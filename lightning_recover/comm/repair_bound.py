@@ -1,4 +1,4 @@
-"""The bound on a repair or an agreement: a rank whose repair never returns leaves, the job never hangs (layer 1).
+"""The bound on a repair or an agreement: a rank whose repair never returns leaves, the job never hangs (ReCoVer's fault-aware collectives).
 
 ULFM's agreement can wait for good (seen when the middle one of 3 fake hosts was cut off,
 its ranks declared dead one at a time). The communicator therefore runs every repair and

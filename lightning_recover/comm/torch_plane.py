@@ -1,4 +1,4 @@
-"""The ``torch.distributed`` data planes: one gloo or NCCL group per world epoch, watched by ULFM (layer 1).
+"""The ``torch.distributed`` data planes: one gloo or NCCL group per world epoch, watched by ULFM (ReCoVer's fault-aware collectives).
 
 They keep the data-plane contract of :mod:`lightning_recover.comm.data_plane`
 (``recover.data_plane=gloo``: CPU, the stand-in on this machine; ``nccl``: CUDA). A
@@ -15,7 +15,7 @@ Buckets are staged through a buffer the plane owns, so an abandoned operation th
 completes later can never write into the gradients.
 
 This module imports torch at import; the communicator imports it only when it builds such
-a plane, so that layer 1 with the MPI plane runs without torch.
+a plane, so that the collectives run without torch on the MPI plane.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""ULFM itself: whether this MPI and launch give fault tolerance, and which MPI errors mean a peer died (layer 1).
+"""ULFM itself: whether this MPI and launch give fault tolerance, and which MPI errors mean a peer died (ReCoVer's fault-aware collectives).
 
 The communicator (:mod:`lightning_recover.comm.communicator`) refuses to start without a
 working ULFM (:func:`ulfm_available`, :class:`ULFMUnavailableError` naming the library and
-the fix), and every fault-aware path of layer 1 (the communicator, the replica-local plane
+the fix), and every fault-aware path of the collectives (the communicator, the replica-local plane
 :mod:`lightning_recover.comm.replica_plane`) turns an MPI error into a peer failure only
 when its class is one of :func:`failure_classes`, or a death becomes known within
 :data:`FAILURE_CONFIRM_S`. Importing this module does not import ``mpi4py.MPI`` (which

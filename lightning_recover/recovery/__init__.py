@@ -1,7 +1,7 @@
-"""In-step recovery (layer 2): the step engine and what it keeps of a step.
+"""ReCoVer's in-step recovery: the step engine and what it keeps of a step.
 
 The communicator contract it runs against (:mod:`lightning_recover.comm.interface`,
-:mod:`lightning_recover.comm.buckets`) belongs to layer 1; the simulated world that keeps it
+:mod:`lightning_recover.comm.buckets`) belongs to the collectives; the simulated world that keeps it
 in one process is :mod:`lightning_recover.testing.fake`.
 
   state       StepState: everything one optimizer step knows, in one object

@@ -1,4 +1,4 @@
-"""Overlapping a step's cross-replica reduction with its last backward (layer 2).
+"""Overlapping a step's cross-replica reduction with its last backward (ReCoVer's in-step recovery).
 
 Stock HSDP starts reducing a gradient bucket as soon as backward has produced it; the
 first reduction round of a recovery step can do the same. The engine starts an

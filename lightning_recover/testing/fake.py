@@ -1,9 +1,9 @@
 """FakeWorld: the communicator contract kept in one process, for fast tests of the step engine.
 
-Role in the recovery protocol: a stand-in for layer 1
+Role in the recovery protocol: a stand-in for the collectives
 (:class:`lightning_recover.comm.communicator.FaultTolerantComm`) that keeps the contract of
 :class:`~lightning_recover.comm.interface.ReplicaComm` with ULFM's semantics, so the
-step engine (layer 2) and the recovery callbacks can be driven through every failure
+step engine (in-step recovery) and the recovery callbacks can be driven through every failure
 point in seconds. It complements the real MPI tests, it never replaces them.
 
 Each simulated rank runs in its own thread (:meth:`FakeWorld.run`) and talks through its

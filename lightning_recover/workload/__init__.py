@@ -1,4 +1,4 @@
-"""The workload (layer 3, pure): who computes which microbatches, and which samples they hold.
+"""ReCoVer's versatile workload (pure): who computes which microbatches, and which samples they hold.
 
   step_plan       what a policy decides: roles, each replica's share of a step, the commit record, errors
   policy          the protocol every policy keeps (begin_step -> fail* -> commit, join at a boundary)

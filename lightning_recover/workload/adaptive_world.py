@@ -1,4 +1,4 @@
-"""AdaptiveWorld: the torchft-like ablation of the workload policy (layer 3).
+"""AdaptiveWorld: the torchft-like ablation of the workload policy (ReCoVer's versatile workload).
 
 Each replica owns fixed microbatch ids (G_init of them); lost ids are dropped and the step
 divides by what survived, so B shrinks with every failure -- the behaviour StaticWorld

@@ -1,4 +1,4 @@
-"""make_policy: the workload policy a run's settings name (``recover.policy``), layer 3.
+"""make_policy: the workload policy a run's settings name (``recover.policy``), of ReCoVer's versatile workload.
 
 The strategy, the data feed and the tests build their policy here from its config name
 (:data:`lightning_recover.config.POLICY_NAMES`), so that a name the configuration accepts

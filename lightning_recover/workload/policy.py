@@ -1,4 +1,4 @@
-"""Versatile workload policies: who computes which microbatches of a step (layer 3); the protocol and its base class.
+"""Versatile workload policies: who computes which microbatches of a step (ReCoVer's versatile workload); the protocol and its base class.
 
 Every rank of every replica calls the same policy with the same membership events
 (`begin_step`, `fail`, `commit`) and derives the same plan

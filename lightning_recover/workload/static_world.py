@@ -1,4 +1,4 @@
-"""StaticWorld: ReCoVer's constant-B workload policy, made exactly-once (layer 3).
+"""StaticWorld: ReCoVer's constant-B workload policy, made exactly-once (ReCoVer's versatile workload).
 
 Each step sums the gradients of exactly B = T * G_init microbatches with fixed step-local
 ids 0..B-1, whatever fails. A lost contributor is replaced by the spare that shadows it (no

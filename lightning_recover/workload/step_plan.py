@@ -1,4 +1,4 @@
-"""What a workload policy decides: each replica's share of a step, and the record of its commit (layer 3).
+"""What a workload policy decides: each replica's share of a step, and the record of its commit (ReCoVer's versatile workload).
 
 A policy (:mod:`lightning_recover.workload.policy`) hands every rank the same
 :class:`StepPlan` for a step -- each live replica's :class:`ReplicaPlan`: its :class:`Role`,
