@@ -1,6 +1,6 @@
 """SUM all-reduce bandwidth: FaultTolerantComm (ULFM MPI) vs torch.distributed gloo.
 
-Run it as ``python benchmarks/allreduce.py``. The script launches itself through
+Run it as ``python -m benchmarks.allreduce``. The script launches itself through
 ``lightning-recover launch -n N`` (i.e. ``mpiexec --with-ft ulfm``) for N = 2 and 4, each
 job under a hard timeout. Inside a job every rank creates both a ``FaultTolerantComm``
 (reducing over the whole world, ``across="world"``) and a gloo process group on the same

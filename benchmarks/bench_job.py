@@ -54,8 +54,6 @@ T_START = time.time()
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT))
 torch.set_num_threads(1)
 
 import lightning as L  # noqa: E402
@@ -63,7 +61,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
 from lightning_recover.workload.planner import MicrobatchPlanner  # noqa: E402
-from model import GPT, SIZES, ByteDataset, read_corpus  # noqa: E402
+from examples.model import GPT, SIZES, ByteDataset, read_corpus  # noqa: E402
 
 SYSTEMS = ("recover", "adaptive", "stock", "stock-naive", "ddp", "cr")
 

@@ -1,6 +1,6 @@
 """Chaos campaign: random failures against real launched jobs, every run checked.
 
-``python benchmarks/chaos.py --runs N --seed S`` draws N runs. Each picks a topology that
+``python -m benchmarks.chaos --runs N --seed S`` draws N runs. Each picks a topology that
 fits this machine (W replicas x S shards, spares included), then up to W - 1 replica
 losses: random victims (contributors, spares, the minor, the replica holding rank 0),
 phases (forward, backward, reduce, optimizer), kinds (SIGKILL, SIGSTOP) and timings,
@@ -37,7 +37,7 @@ in every standby seated for it, like a node on which every replacement dies at s
 after ``rejoin_attempts`` such deaths in a row the job falls back to cold spawns.
 
 With ``--hosts N`` (N >= 2, root: fake hosts in network namespaces,
-:mod:`lightning_recover.testing.fake_cluster`) every run goes onto up to N fake hosts
+:mod:`benchmarks.rigs.fake_cluster`) every run goes onto up to N fake hosts
 built once for the campaign, with Open MPI's heartbeat detector on (period 1 s, timeout
 4 s, without its thread), and gets one **host fault** on a host other than the head
 (where mpiexec runs): ``host_ranks_kill`` (all its ranks, the daemon lives), ``host_kill``
@@ -48,7 +48,7 @@ runs, whose watchdog kills it). With ``--two-host-faults P`` (N >= 3) that fract
 runs whose first host fault leaves the job in place gets a second host fault on another host
 (all its ranks killed, frozen or cut off) in a later step. FaultInjection asks for the host fault when the named rank
 reaches the point; the campaign's harness
-(:class:`lightning_recover.testing.host_faults.HostFaultHarness`) applies it. Every run is
+(:class:`benchmarks.rigs.host_faults.HostFaultHarness`) applies it. Every run is
 launched as a user on a cluster would launch it: ``lightning-recover launch --supervise``
 over the hosts, a checkpoint after every step, ``--stall-timeout`` :data:`STALL_TIMEOUT_S`,
 every agreement and repair bounded by :data:`REPAIR_BOUND_S`
@@ -81,7 +81,7 @@ With ``--hosts N --joins`` (N >= 3, ``--steps`` >= 20; ``--standbys K`` too) re-
 and the job fills hosts 0 and 1, leaving host 2 spare: the launcher names it in
 ``LIGHTNING_RECOVER_SPARE_HOSTS`` and replacements (and standbys) are placed there
 (:mod:`lightning_recover.membership.placement`). Each run
-(:func:`lightning_recover.testing.chaos.draw_host_join_run`) loses host 1's replicas early
+(:func:`benchmarks.rigs.campaign.draw_host_join_run`) loses host 1's replicas early
 (all its ranks killed, frozen, cut off, or lost with the daemon; on one-slot hosts also its
 lone rank SIGSTOPped, with no watchdog beside it), faults the first re-join attempt in about
 half the runs (the replacement killed, or the spare host's ranks killed, frozen -- during
@@ -100,7 +100,7 @@ With ``--salvage`` (issue 37) salvage is on: on one machine (``--steps`` >= 30) 
 from replicas of 2 shards, so that a lost rank leaves an orphan, and with ``--joins`` the
 replacement faults also hit seated orphans and the ranks they spawn. With ``--hosts N
 --salvage`` (N >= 3, re-join on,
-:func:`lightning_recover.testing.chaos.draw_host_salvage_run`) a 2 x 2 job on hosts 0 and 1
+:func:`benchmarks.rigs.campaign.draw_host_salvage_run`) a 2 x 2 job on hosts 0 and 1
 loses one rank of host 1 early: its mate waits as an orphan and spawns the missing rank onto
 the spare host, and in about half the runs a host fault later hits that replica (spanning
 hosts 1 and 2) on one of its hosts. The summary counts what salvage did (replicas re-formed
@@ -128,7 +128,7 @@ both wait for good in the agreement that precedes the repair (py-spy:
 and the supervisor relaunches the job from its checkpoint.
 
 It is a tool of the checkout, not of the installed package: it trains the example GPT of
-``examples/model.py``. Exit status 1 on any violation or hang. ``python benchmarks/chaos.py
+``examples/model.py``. Exit status 1 on any violation or hang. ``python -m benchmarks.chaos
 job CONFIG`` is the launched job. :func:`reference_run` is the project's one fault-free
 reference trajectory; the strategy tests wrap it (``tests/workers/reference.py``).
 """
@@ -151,11 +151,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
-if __name__ == "__main__" and str(REPO) not in sys.path:  # run from a fresh clone without installing the package
-    sys.path.insert(0, str(REPO))
 
 # What the campaign draws and how it judges (shared with the tests, which check that very code).
-from lightning_recover.testing.chaos import (  # noqa: E402
+from benchmarks.rigs.campaign import (  # noqa: E402
     CUT_OFF_EXIT_BOUND_S,
     DETECTOR,
     REPAIR_BOUND_S,
@@ -193,18 +191,10 @@ def slow_while_degraded(seconds: float) -> Any:
 
 
 # ---------------------------------------------------------------------- the launched job
-def _examples_on_path() -> None:
-    if not (EXAMPLES / "model.py").exists():
-        raise FileNotFoundError(f"{EXAMPLES / 'model.py'} not found: the chaos campaign needs a source checkout")
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-
-
 def build_tiny(seed: int, corpus_bytes: int = CORPUS_BYTES) -> tuple[Any, Any]:
     """The tiny GPT and its dataset, seeded the same way in every process and in the reference."""
-    _examples_on_path()
     import lightning as L
-    from model import SIZES, GPT, ByteDataset, read_corpus
+    from examples.model import SIZES, GPT, ByteDataset, read_corpus
 
     L.seed_everything(seed, verbose=False)
     sizes = dict(SIZES["tiny"])
@@ -446,7 +436,7 @@ def execute_on_hosts(
         launcher_options=supervise, slots=run.slots, hosts=run.hosts,
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMIX_"))}
-    env.update(harness.env(), OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "benchmarks")]))
+    env.update(harness.env(), OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]))
     # The watchdog kills a stopped rank from beside it on its host (as in the one-machine campaign);
     # Open MPI's detector finds what no watchdog can see (a frozen or cut-off host).
     env["LIGHTNING_RECOVER_HANG_TIMEOUT"] = f"{hang_timeout:g}"
@@ -676,9 +666,9 @@ def host_campaign(
 ) -> list[Outcome]:
     """``--hosts N`` (with ``joins``: ``--hosts N --joins``; ``salvage``: ``--hosts N --salvage``): the campaign on N fake
     hosts built once (module docstring)."""
-    from lightning_recover.testing.fake_cluster import FakeCluster
-    from lightning_recover.testing.fake_netns import cleanup_stale
-    from lightning_recover.testing.host_faults import HostFaultHarness
+    from benchmarks.rigs.fake_cluster import FakeCluster
+    from benchmarks.rigs.fake_netns import cleanup_stale
+    from benchmarks.rigs.host_faults import HostFaultHarness
 
     rng = random.Random(seed)
     if salvage:
@@ -732,11 +722,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # The driver (never a launched rank): orphans of a run re-parent to it instead of pid 1;
     # run_supervised ends each run's ranks by pid (mpiexec gives each its own process group).
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from proctree import become_subreaper
+    from benchmarks.proctree import become_subreaper
 
     become_subreaper()
-    ap = argparse.ArgumentParser(prog="python benchmarks/chaos.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=3, help="optimizer steps per run")

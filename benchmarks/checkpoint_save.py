@@ -7,7 +7,7 @@ consolidation and publication the leader replica runs -- once with ``async_save=
 and once with ``async_save=True``. Blocking time is what the step loop spends inside
 ``save`` (for async: waiting for the previous write, then staging into CPU memory).
 
-    PYTHONPATH=$PWD python benchmarks/checkpoint_save.py [--width 1024 --layers 8 --steps 12 --every 4]
+    python -m benchmarks.checkpoint_save [--width 1024 --layers 8 --steps 12 --every 4]
 
 The last line is the headline: ``async/sync blocking time: <ratio>x``.
 """

@@ -13,8 +13,8 @@ made the same way and its numbers read against the same yardsticks:
 * :func:`read_clock` reads the step clock a job's rank 0 wrote, :func:`bootstrap_ratio`
   gives the 95% interval of a ratio of median step times.
 
-It is a module of the checkout's benchmark scripts (imported by file name, with
-``benchmarks/`` on ``sys.path``), not of the installed package.
+It is a module of the checkout's ``benchmarks`` package (``python -m benchmarks.NAME`` from the
+repository root), not of the installed package.
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proctree import ProcessTree  # noqa: E402
+from benchmarks.proctree import ProcessTree  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The launched training job :func:`launch` runs.

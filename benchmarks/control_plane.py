@@ -1,6 +1,6 @@
 """The control plane at scale: MPI calls and bytes per rank, per steady step and per repair, at 4-64 ranks.
 
-Run it as ``python benchmarks/control_plane.py`` (4 8 16 32 64 ranks; a few minutes on a
+Run it as ``python -m benchmarks.control_plane`` (4 8 16 32 64 ranks; a few minutes on a
 2-core machine) or ``--ranks 4 8 16`` (what ``tests/launched/test_control_plane.py`` runs).
 For each N one job of ``benchmarks/control_plane_rank.py`` is launched with the project's
 launcher (``python -m lightning_recover.cli launch -n N``: ``mpiexec --with-ft ulfm``,
@@ -42,9 +42,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = ROOT / "benchmarks" / "control_plane_rank.py"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proctree import ProcessTree  # noqa: E402
-from scaling import fit_power  # noqa: E402
+from benchmarks.proctree import ProcessTree  # noqa: E402
+from benchmarks.scaling import fit_power  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "control_plane.json"
 #: Per-rank phases of a job, as control_plane_rank.py records them.

@@ -38,12 +38,9 @@ import argparse
 import json
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,7 +61,7 @@ def lightning_main(args: argparse.Namespace) -> None:
     from lightning_recover.runtime import lifecycle
 
     lifecycle.prepare_mpi()
-    import mpi_counter
+    from benchmarks import mpi_counter
 
     counter = mpi_counter.install()  # before the strategy builds its communicator
     import lightning as L
@@ -120,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     lifecycle.prepare_mpi()
     from mpi4py import MPI  # MPI_Init
 
-    import mpi_counter
+    from benchmarks import mpi_counter
 
     counter = mpi_counter.install()
     from lightning_recover.comm import mpi_wait

@@ -5,7 +5,7 @@ network reads) and the model is small, so without workers every step waits for
 ``grad_accum * mbs`` sample reads; with ``--workers`` the planner-driven batch sampler lets
 the workers load the planned microbatches while the model computes.
 
-One process (``python benchmarks/dataloader_workers.py``; the strategy runs as a single
+One process (``python -m benchmarks.dataloader_workers``; the strategy runs as a single
 replica, and says so on stderr) trains one fresh model per configuration. The
 configurations run ALTERNATELY, the order reversed every other round, so a drift of a
 shared machine hits both alike. Step time: wall time between consecutive optimizer-step

@@ -1,6 +1,6 @@
 """Goodput under replica failures, scaled down: ReCoVer vs checkpoint-restart vs AdaptiveWorld.
 
-Run it as ``python benchmarks/goodput.py`` (about 5-8 minutes on a 2-core machine).
+Run it as ``python -m benchmarks.goodput`` (about 5-8 minutes on a 2-core machine).
 The paper's experiment in miniature: 4 replicas x 1 shard (4 ranks), the example GPT,
 ``--steps`` optimizer steps of a constant global batch B = 4 x G microbatches, and a
 replica killed (SIGKILL, in the backward of the step's first microbatch) every
@@ -56,10 +56,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launch, wait_quiet  # noqa: E402
-from proctree import become_subreaper  # noqa: E402
+from benchmarks.common import launch, wait_quiet  # noqa: E402
+from benchmarks.proctree import become_subreaper  # noqa: E402
 
 from lightning_recover.audit.ledger import resolve  # noqa: E402
 

@@ -1,7 +1,7 @@
 """The GPU check: one command for the day a GPU is lent, at most 8 minutes on one GPU with 16 cores.
 
-    python benchmarks/gpu_check.py                  # CUDA if present, else CPU
-    python benchmarks/gpu_check.py --device cpu     # the same code on a tiny model (CI smoke test)
+    python -m benchmarks.gpu_check                  # CUDA if present, else CPU
+    python -m benchmarks.gpu_check --device cpu     # the same code on a tiny model (CI smoke test)
 
 Role: nothing else in the project runs the strategy on CUDA. This script launches short jobs
 of the example's LLaMA (``examples/llama.py``) with ``strategy="recover_hsdp"``, every rank on
@@ -45,8 +45,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SEED = 5
 #: Per-size settings: the sequence length, samples per microbatch, corpus bytes to read.
@@ -65,8 +63,8 @@ def build(cfg: dict[str, Any]) -> tuple[Any, Any]:
     """The LLaMA and the byte dataset of ``cfg``, seeded identically in every process."""
     import lightning as L
     import torch
-    from llama import LLAMA_SIZES, Llama
-    from model import ByteDataset, read_corpus
+    from examples.llama import LLAMA_SIZES, Llama
+    from examples.model import ByteDataset, read_corpus
 
     L.seed_everything(SEED, verbose=False)
     shape = SHAPES[cfg["size"]]
@@ -79,7 +77,7 @@ def build(cfg: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def _sgd_llama() -> type:
-    from llama import Llama
+    from examples.llama import Llama
 
     class SGDLlama(Llama):
         """Plain SGD: the update is the gradient, so a wrongly summed gradient shows in the parameters."""
@@ -272,7 +270,7 @@ def reference(cfg: dict[str, Any], replicas: int) -> dict[str, Any]:
 
 def launch(name: str, cfg: dict[str, Any], nprocs: int, out: Path, timeout: float) -> dict[str, Any]:
     """``lightning-recover launch -n nprocs`` of :func:`job`; its whole process tree is ended before returning."""
-    from proctree import ProcessTree
+    from benchmarks.proctree import ProcessTree
 
     run_dir = out / name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -297,7 +295,7 @@ def launch(name: str, cfg: dict[str, Any], nprocs: int, out: Path, timeout: floa
 
 
 def run_stock(cfg: dict[str, Any], out: Path, timeout: float) -> dict[str, Any]:
-    from proctree import ProcessTree
+    from benchmarks.proctree import ProcessTree
 
     run_dir = out / "stock"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -411,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = 4 if device == "cuda" else 3
     big = {"device": device, "size": size, "optimizer": "adamw", "lr": 3e-4, "grad_accum": 2, "steps": steps, "precision": "bf16-mixed",
            "plane": "mpi", "bucket_mb": 64.0 if device == "cuda" else 4.0}
-    from llama import LLAMA_SIZES, LlamaConfig, parameter_count
+    from examples.llama import LLAMA_SIZES, LlamaConfig, parameter_count
 
     n_params = parameter_count(LlamaConfig(**LLAMA_SIZES[size]))
     free = launch("llama_fault_free", {**big, "faults": []}, 2, out, limit())

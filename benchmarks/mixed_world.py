@@ -1,6 +1,6 @@
 """What a re-join does to the step's collectives: one job against 2 ranks + 2 spawned ones.
 
-Run it as ``python benchmarks/mixed_world.py`` (about a minute on 2 cores). A replacement is
+Run it as ``python -m benchmarks.mixed_world`` (about a minute on 2 cores). A replacement is
 spawned into its own MPI job (``MPI_Comm_spawn``), and Open MPI carries traffic between jobs
 over TCP, never shared memory. On an oversubscribed host the step's collectives are waited
 for politely (:mod:`lightning_recover.comm.mpi_wait`: tests, then sleeps doubling up to a
@@ -30,9 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proctree import ProcessTree, become_subreaper  # noqa: E402
+from benchmarks.proctree import ProcessTree, become_subreaper  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "mixed_world.json"

@@ -1,6 +1,6 @@
 """Fault-free step time: ReCoVerHSDPStrategy vs Lightning's stock ModelParallelStrategy HSDP.
 
-Run it as ``python benchmarks/overhead.py`` (about 4-8 minutes on a 2-core machine).
+Run it as ``python -m benchmarks.overhead`` (about 4-8 minutes on a 2-core machine).
 Every measurement is one launched 4-rank job (``lightning-recover launch -n 4``, i.e.
 ``mpiexec --with-ft ulfm``, for both systems) of ``benchmarks/bench_job.py`` with the
 same model (the example GPT, ``--size``), the same samples (both fetch step t's
@@ -55,9 +55,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bootstrap_ratio, launch, loadavg, read_clock, wait_quiet  # noqa: E402
-from proctree import become_subreaper  # noqa: E402
+from benchmarks.common import bootstrap_ratio, launch, loadavg, read_clock, wait_quiet  # noqa: E402
+from benchmarks.proctree import become_subreaper  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "overhead.json"
 LAYOUTS = {"2x2": 2, "4x1": 1}  # name -> shards (world is always 4 ranks)

@@ -1,6 +1,6 @@
 """ReCoVer side by side with torchft (and Lightning checkpoint-restart) under the same SIGKILLs.
 
-Run it as ``python benchmarks/peers.py --steps 400`` (torchft from the ``peers`` extra:
+Run it as ``python -m benchmarks.peers --steps 400`` (torchft from the ``peers`` extra:
 ``pip install -e ".[peers]"`` with your torch already installed; about 10 minutes on a
 2-core machine). ``--quick`` is the CI smoke run (a few steps, ours and torchft if present).
 
@@ -70,9 +70,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from proctree import ProcessTree, _cmdline, become_subreaper, read_env  # noqa: E402
+from benchmarks.proctree import ProcessTree, _cmdline, become_subreaper, read_env  # noqa: E402
 
 from lightning_recover.audit.ledger import microbatch_ids, resolve  # noqa: E402
 
@@ -231,8 +229,7 @@ def job_env() -> dict[str, str]:
 
 def planner_indices(args: argparse.Namespace) -> Callable[[int], list[int]]:
     """microbatch id -> sample indices, exactly as ReCoVer's data loader maps them (bench_job.py's data)."""
-    sys.path.insert(0, str(ROOT / "examples"))
-    from model import SIZES, ByteDataset, read_corpus
+    from examples.model import SIZES, ByteDataset, read_corpus
 
     from lightning_recover.workload.planner import MicrobatchPlanner
 
@@ -458,7 +455,7 @@ def run_torchft(args: argparse.Namespace, name: str, outdir: Path, *, heartbeat_
 def run_checkpoint_restart(args: argparse.Namespace, name: str, outdir: Path, kills: list[tuple[int, int]],
                            indices: Callable[[int], list[int]]) -> Run:
     """goodput.run_cr as it is (its victim SIGKILLs itself from a callback), read into a Run."""
-    import goodput
+    from benchmarks import goodput
 
     ns = argparse.Namespace(grad_accum=args.grad_accum, mbs=args.mbs, steps=args.steps, size=args.size,
                             quiet_wait=0.0, timeout=args.timeout)
@@ -551,7 +548,7 @@ def fmt_list(xs: list, spec: str = ".2f", none: str = "never") -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from common import children_cpu, proc_stat, wait_quiet
+    from benchmarks.common import children_cpu, proc_stat, wait_quiet
 
     work = Path(tempfile.mkdtemp(prefix="lr-peers-"))
     B = REPLICAS * args.grad_accum

@@ -40,13 +40,12 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 torch.set_num_threads(1)  # as bench_job.py: one thread per rank, 4 ranks on a small machine
 
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, Dataset  # noqa: E402
 
-from model import GPT, SIZES, ByteDataset, read_corpus  # noqa: E402
+from examples.model import GPT, SIZES, ByteDataset, read_corpus  # noqa: E402
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

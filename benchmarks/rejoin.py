@@ -1,6 +1,6 @@
 """Hot re-join, measured: what a join costs the survivors, and how long a replacement takes to arrive.
 
-Run it as ``python benchmarks/rejoin.py`` (about 1-2 minutes on a 2-core machine). One
+Run it as ``python -m benchmarks.rejoin`` (about 1-2 minutes on a 2-core machine). One
 launched 4-rank job of ``benchmarks/bench_job.py`` (the example GPT, ReCoVer, 4 replicas x
 1 shard, ``rejoin=True``): rank ``--victim`` is SIGKILLed in step ``--kill-step``, a
 replacement is spawned while the survivors train, and it joins once it is ready. From the
@@ -17,7 +17,7 @@ job's step ledger it prints, per join:
 Results go to ``benchmarks/results/rejoin.json``; the last line printed is the headline
 ``re-join: survivors blocked 0.09 s per join (0.26 of a step), state transfer 0.08 s; ...``.
 
-``python benchmarks/rejoin.py --salvage`` compares, in one run, the two ways a job with re-join
+``python -m benchmarks.rejoin --salvage`` compares, in one run, the two ways a job with re-join
 gets a broken replica back (issue 37): two 4-rank jobs, 2 replicas x 2 shards, rank
 ``--victim`` SIGKILLed in step ``--kill-step``. Without salvage the replica's live rank leaves
 through the gate and a whole replica (2 processes) is spawned; with ``recover.salvage`` it
@@ -36,10 +36,8 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import launch, wait_quiet  # noqa: E402
-from proctree import become_subreaper  # noqa: E402
+from benchmarks.common import launch, wait_quiet  # noqa: E402
+from benchmarks.proctree import become_subreaper  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "rejoin.json"

@@ -2,7 +2,7 @@
 
 Role: issue 33's proof that a steady step costs O(1) per rank and a failure O(changed)
 (at worst O(W) once, at C speed). It runs the package's real code in one process, one rank's
-view of a W-replica job (``python benchmarks/scale.py``; ``--quick`` for a smoke test):
+view of a W-replica job (``python -m benchmarks.scale``; ``--quick`` for a smoke test):
 
 * **policy**: ``StaticWorld`` (T = W - W/16, G_init = 8, so B = 983,040 at 131k replicas)
   ``begin_step`` + ``commit`` + the ledger dict, per steady step;
@@ -48,8 +48,6 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing the package
-    sys.path.insert(0, str(ROOT))
 
 from lightning_recover.audit.ledger_check import check_ledger  # noqa: E402
 from lightning_recover.audit.ledger_writer import LedgerWriter  # noqa: E402
@@ -65,7 +63,7 @@ from lightning_recover.recovery.hooks import dispatcher  # noqa: E402
 from lightning_recover.workload.factory import make_policy  # noqa: E402
 from lightning_recover.workload.planner import MicrobatchPlanner  # noqa: E402
 from lightning_recover.workload.policy import WorkloadPolicy  # noqa: E402
-from scaling import fit_power  # noqa: E402  (benchmarks/ is on sys.path: this script's folder)
+from benchmarks.scaling import fit_power
 
 RESULTS = ROOT / "benchmarks" / "results" / "scale.json"
 SIZES = (64, 1024, 8192, 32768, 131072)
@@ -358,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
               f"(written in {made:.1f} s); check-ledger {check_s:.2f} s ({check_s * per:.1f} s per 10^5 steps), "
               f"report {report_s:.2f} s; {verdict.summary_line()}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    provenance = {"command": "python benchmarks/scale.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    provenance = {"command": "python -m benchmarks.scale " + " ".join(argv if argv is not None else sys.argv[1:]),
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
                   f"Python {platform.python_version()}", "cpu_time": "main-thread CPU seconds (time.thread_time), median of --reps"}
     args.out.write_text(json.dumps({"provenance": provenance, "rows": rows, "fits": fits, "curves": fitted_costs(rows), "ledger": {

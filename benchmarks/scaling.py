@@ -1,6 +1,6 @@
 """How recovery cost grows with the job: layer 1 at 4-64 ranks, the policy at 10^3-10^5 replicas, the ledger line.
 
-Run it as ``python benchmarks/scaling.py`` (the full curve, 4 8 16 32 64 ranks: 5-6
+Run it as ``python -m benchmarks.scaling`` (the full curve, 4 8 16 32 64 ranks: 5-6
 minutes on a 2-core machine; docs/benchmarks.md's ``--repeats 2 --faults 5`` about 11) or
 ``--quick`` (4 and 8 ranks, small planning sizes: a smoke test). Three parts, each
 printed as a table with its fitted growth:
@@ -78,9 +78,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RANK = ROOT / "benchmarks" / "scaling_rank.py"
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import loadavg, wait_quiet  # noqa: E402
-from proctree import ProcessTree, become_subreaper  # noqa: E402
+from benchmarks.common import loadavg, wait_quiet  # noqa: E402
+from benchmarks.proctree import ProcessTree, become_subreaper  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "scaling.json"
 #: Phases of one recovery, in order; each is timed from the previous one's end on the last survivor.

@@ -1,6 +1,6 @@
 """Step-time overhead of the silent-data-corruption check: fingerprints at N = 1 and at the default N vs off.
 
-Run it as ``python benchmarks/sdc_overhead.py`` (about 3-5 minutes on a 2-core machine).
+Run it as ``python -m benchmarks.sdc_overhead`` (about 3-5 minutes on a 2-core machine).
 Each measurement is one launched 4-rank job of ``benchmarks/bench_job.py`` (the example
 GPT, ReCoVer, 4 replicas x 1 shard or 2 x 2) with ``recover.sdc.every_n_steps`` = 0 (off),
 1, and the library default; the jobs run ALTERNATELY, order reversed every other round,
@@ -25,9 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bootstrap_ratio, launch, read_clock, wait_quiet  # noqa: E402
+from benchmarks.common import bootstrap_ratio, launch, read_clock, wait_quiet  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "sdc_overhead.json"
@@ -42,9 +40,7 @@ def default_every() -> int:
 def fingerprint_cost(size: str, repeats: int = 10) -> tuple[float, int]:
     """Median seconds of one fingerprint of the example GPT's parameters + AdamW state, in this process; and its bytes."""
     import torch
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    from model import GPT, SIZES
+    from examples.model import GPT, SIZES
 
     from lightning_recover.audit.corruption import fingerprint
     from lightning_recover.callbacks.corruption_check import state_tensors

@@ -1,6 +1,6 @@
 """Discrete-event goodput simulator: checkpoint-restart, torchft-like, FT-HSDP and ReCoVer at 1k-100k GPUs.
 
-Run it as ``python benchmarks/simulate.py`` (about a second; no MPI, torch or GPU needed).
+Run it as ``python -m benchmarks.simulate`` (about a second; no MPI, torch or GPU needed).
 The model lives in ``benchmarks/goodput_model.py``; its docstring states every assumption.
 In short: each GPU fails as a Poisson process (per-GPU MTBF, default 50,000 h), a failure
 kills its replica (``--gpus-per-replica`` GPUs, default 8), and over ``--days`` of simulated
@@ -68,11 +68,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run from a fresh clone without installing the package
-    sys.path.insert(0, str(ROOT))
 
-import control_plane_model  # noqa: E402
-from goodput_model import (  # noqa: E402
+from benchmarks import control_plane_model  # noqa: E402
+from benchmarks.goodput_model import (  # noqa: E402
     DAY,
     HOUR,
     JobResult,
@@ -190,7 +188,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.fits = fitted_costs(args.scale_from)
     except (OSError, ValueError, KeyError) as exc:
-        p.error(f"--scale-from {args.scale_from}: {exc}; run python benchmarks/scale.py to measure it")
+        p.error(f"--scale-from {args.scale_from}: {exc}; run python -m benchmarks.scale to measure it")
     return args
 
 

@@ -1,6 +1,6 @@
 """Fault-free step time of ReCoVer next to torchft's, per model size, in one run.
 
-Run it as ``python benchmarks/step_cost.py`` (torchft from the ``peers`` extra; about 6
+Run it as ``python -m benchmarks.step_cost`` (torchft from the ``peers`` extra; about 6
 minutes on a 2-core machine); ``--quick`` is the CI smoke run (tiny model, a few steps,
 torchft only if installed).
 
@@ -35,10 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import peers  # noqa: E402
-from proctree import become_subreaper  # noqa: E402
+from benchmarks import peers  # noqa: E402
+from benchmarks.proctree import become_subreaper  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "step_cost.json"
@@ -109,7 +107,7 @@ def peers_args(args: argparse.Namespace, size: str) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from common import wait_quiet
+    from benchmarks.common import wait_quiet
 
     work = Path(tempfile.mkdtemp(prefix="lr-stepcost-"))
     print(f"step_cost: {peers.REPLICAS} replicas x 1 rank on {os.cpu_count()} cores, sizes {args.sizes}, {args.steps} "

@@ -5,15 +5,14 @@ steps, microbatch ids, memberships, world epochs, losses and final parameters, f
 faulted. This script records a fixed set of launched ``train_worker.py`` jobs from a checkout
 and compares two such recordings bit for bit.
 
-    python benchmarks/trajectories.py record OUT_DIR [--repo REPO]
-    python benchmarks/trajectories.py compare A_DIR B_DIR
+    python -m benchmarks.trajectories record OUT_DIR [--repo REPO]
+    python -m benchmarks.trajectories compare A_DIR B_DIR
 
 ``record`` runs each configuration of :data:`CONFIGS` as a launched job from REPO (default:
-this checkout) through the launched test harness's ``run_mpi`` (``mpirun.py``, found with a
-glob under REPO/tests so a reorganised tests/ folder still works, and imported with REPO first
-on sys.path). Where that harness cannot be imported, or no longer takes a timeout and a hang
-timeout, the job is launched as it launches one: ``lightning-recover launch`` in REPO with
-LR_TEST_OUT, OMP_NUM_THREADS=1 and REPO + REPO/benchmarks on PYTHONPATH. Each configuration
+this checkout) as the launched tests launch one: ``lightning-recover launch`` in REPO with
+LR_TEST_OUT, OMP_NUM_THREADS=1 and REPO + REPO/benchmarks on PYTHONPATH (the worker,
+``train_worker.py``, is found with a glob under REPO/tests, so a reorganised tests/ folder
+still works). Each configuration
 writes OUT_DIR/<config>/: ledger.jsonl, params{R}.pt, rank{R}.json (and launch{I}.log, the
 job's output); OUT_DIR/RECORDED.json names the commit that was run.
 
@@ -40,8 +39,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import importlib
-import inspect
 import json
 import os
 import signal
@@ -145,36 +142,15 @@ def _find_one(repo: Path, name: str) -> Path:
     return Path(hits[0])
 
 
-def _harness_runner(repo: Path, worker: Path) -> Callable[[Launch, Path, list[str]], tuple[int, str]]:
-    """A function launching one job through REPO's harness, or the same launch done here."""
-    mpirun = _find_one(repo, "mpirun.py")
-    # REPO first on sys.path: the harness (and the launcher it imports) must be REPO's own,
-    # not the package of the checkout that holds this script.
-    for p in (str(mpirun.parent), str(repo / "benchmarks"), str(repo)):
-        if p in sys.path:
-            sys.path.remove(p)
-        sys.path.insert(0, p)
-    run_mpi: Callable[..., Any] | None = None
-    try:
-        harness = importlib.import_module("mpirun")
-        params = inspect.signature(harness.run_mpi).parameters
-        takes_options = any(q.kind is inspect.Parameter.VAR_KEYWORD for q in params.values()) or {"timeout", "hang_timeout"} <= params.keys()
-        if Path(harness.ROOT).resolve() != repo:
-            print(f"trajectories: {mpirun} runs jobs from {harness.ROOT}, not {repo}; launching mpiexec directly", file=sys.stderr)
-        elif not takes_options:
-            print(f"trajectories: {mpirun}'s run_mpi takes no timeout/hang_timeout; launching mpiexec directly", file=sys.stderr)
-        else:
-            run_mpi = harness.run_mpi
-    except (ImportError, AttributeError) as exc:
-        print(f"trajectories: {mpirun} not importable ({exc!r}); launching mpiexec directly", file=sys.stderr)
+def _runner(repo: Path, worker: Path) -> Callable[[Launch, Path, list[str]], tuple[int, str]]:
+    """A function launching one job from REPO as its launched tests do: REPO's own launcher and package."""
     rel_worker = str(worker.relative_to(repo))
 
     def run(launch: Launch, outdir: Path, argv: list[str]) -> tuple[int, str]:
         args = [rel_worker, *argv, "--faults", json.dumps(launch.faults)]
-        if run_mpi is not None:
-            job = run_mpi(launch.nprocs, args, outdir, timeout=LAUNCH_TIMEOUT_S, hang_timeout=launch.hang_timeout)
-            return job.returncode, job.describe()
-        # The harness's launch, done here: the launcher with OUT, one thread, REPO on the path.
+        # The launched tests' launch: the launcher with OUT and one thread; REPO first on the path
+        # (``-m`` from cwd=REPO for the launcher, PYTHONPATH for the ranks), so REPO's package runs,
+        # not the one installed; REPO/benchmarks too, where an older checkout's worker imports from it.
         cmd = [sys.executable, "-m", "lightning_recover.cli", "launch", "-n", str(launch.nprocs)]
         if launch.hang_timeout is not None:
             cmd += ["--hang-timeout", str(launch.hang_timeout)]
@@ -202,7 +178,7 @@ def _harness_runner(repo: Path, worker: Path) -> Callable[[Launch, Path, list[st
 def record(out_dir: Path, repo: Path, only: list[str] | None) -> None:
     repo = repo.resolve()
     worker = _find_one(repo, "train_worker.py")
-    run = _harness_runner(repo, worker)
+    run = _runner(repo, worker)
     # The harness lets these environment variables change every job's planes; the baseline
     # is the defaults (mpi data plane, auto replica plane).
     for var in ("RECOVER_TEST_DATA_PLANE", "RECOVER_TEST_REPLICA_PLANE"):

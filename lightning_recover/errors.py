@@ -28,8 +28,6 @@ The fates (:data:`Fate`):
     message. During training in a multi-rank job, the rank prints the traceback and dies by
     ``SIGKILL`` with a ``raised`` marker; the launcher says "the program raised ..." and
     exits non-zero, and a supervisor does not relaunch (a relaunch would fail the same way).
-``test``
-    Raised by the test harnesses only (fake hosts), to the test that uses them.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ from typing import Literal
 
 __all__ = ["ERRORS", "ErrorFate", "Fate", "RecoverError"]
 
-Fate = Literal["repaired", "gate", "stop", "user", "test"]
+Fate = Literal["repaired", "gate", "stop", "user"]
 
 
 class RecoverError(Exception):
@@ -81,8 +79,4 @@ ERRORS: dict[str, ErrorFate] = {
         "user", "a ledger file is not the strategy's (check-ledger and report): the message names the line"),
     "lightning_recover.audit.report:ReportError": ErrorFate(
         "user", "lightning-recover report cannot read its input: the message names it"),
-    "lightning_recover.testing.fake_netns:MissingCapability": ErrorFate(
-        "test", "fake hosts need root, iproute2 and util-linux: the message names what is missing"),
-    "lightning_recover.testing.fake_netns:FakeClusterError": ErrorFate(
-        "test", "a fake-host operation failed (the message holds the command and its output)"),
 }

@@ -1,24 +1,18 @@
-"""Test set-up for both folders (inprocess/, launched/): import paths for the harness and the
-workers; the session's local Slurm; fake hosts."""
+"""Test set-up for both folders (inprocess/, launched/): the session's local Slurm; fake hosts.
+
+Import paths are pytest's ``pythonpath`` (pyproject.toml): the checkout's root (``benchmarks``,
+``examples``), ``tests/`` (the ``harness`` package) and ``tests/workers`` (the launched scripts' modules)."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
-from lightning_recover.testing.fake_cluster import FakeCluster
-from lightning_recover.testing.fake_netns import cleanup_stale
+from benchmarks.rigs.fake_cluster import FakeCluster
+from benchmarks.rigs.fake_netns import cleanup_stale
 
-HERE = Path(__file__).resolve().parent
-# The harness package (tests/harness: launched jobs, Slurm, fake-host probes) and the worker
-# modules are imported by the tests of both folders. benchmarks/ is not put here: the few
-# tests of benchmark scripts say so themselves (harness.benchmark_scripts).
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE / "workers"))
 
 if TYPE_CHECKING:
     from harness.slurm_cluster import LocalSlurm

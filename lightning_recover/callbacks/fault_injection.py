@@ -44,7 +44,7 @@ Host-level faults (a rank cannot do them to its own host; a harness outside the 
     point triggers the fault *and* the host it hits (the host that rank runs on). At a re-join
     phase that is the replacement's host (a spare host, by the placement rule of
     :mod:`lightning_recover.membership.placement`), or the donor's for ``join_transfer``.
-    Contract with the harness (:class:`lightning_recover.testing.host_faults.HostFaultHarness`
+    Contract with the harness (:class:`benchmarks.rigs.host_faults.HostFaultHarness`
     on fake hosts, or any other that speaks it):
 
     1. The harness sets :data:`ENV_HOST_FAULTS` to a directory every rank can write and

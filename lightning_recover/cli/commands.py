@@ -170,7 +170,7 @@ COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
 #: a user following older instructions is told where instead of being shown the usage.
 MOVED: dict[str, str] = {
     "demo": "python examples/demo.py",
-    "chaos": "python benchmarks/chaos.py",
+    "chaos": "python -m benchmarks.chaos",
 }
 
 

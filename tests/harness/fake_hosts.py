@@ -1,4 +1,4 @@
-"""Probes of the fake hosts (:mod:`lightning_recover.testing.fake_cluster`) shared by the launched fake-host tests.
+"""Probes of the fake hosts (:mod:`benchmarks.rigs.fake_cluster`) shared by the launched fake-host tests.
 
 A host fault is only judged once the test has seen what it did to the network: whether
 one host can still reach another decides whether a partition or a flap is in force.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from lightning_recover.testing.fake_cluster import FakeCluster
+from benchmarks.rigs.fake_cluster import FakeCluster
 
 
 def reachable(cluster: FakeCluster, src: int, dst: int, timeout: float = 1.0) -> bool:

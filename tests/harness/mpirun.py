@@ -24,7 +24,7 @@ from lightning_recover.cli.runner import RUNTIME_START_FAILURE
 MPI_INIT_CRASH = "(ompi_mpi_init+"
 
 if TYPE_CHECKING:
-    from lightning_recover.testing.fake_cluster import FakeCluster
+    from benchmarks.rigs.fake_cluster import FakeCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"

@@ -1,6 +1,6 @@
 """A real multi-node Slurm on fake hosts: one ``slurmd`` per fake host, ``slurmctld`` on the bridge.
 
-Each fake host (:class:`~lightning_recover.testing.fake_cluster.FakeCluster`: a network
+Each fake host (:class:`~benchmarks.rigs.fake_cluster.FakeCluster`: a network
 namespace with its own hostname and ``/dev/shm``) runs one ``slurmd`` under its own
 NodeName, entered into all of the host's namespaces, so what Slurm starts on a node (the
 batch script, the ``srun`` that Open MPI's runtime uses to start its daemon ``prted`` on the
@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from lightning_recover.testing.fake_cluster import FakeCluster
+from benchmarks.rigs.fake_cluster import FakeCluster
 from harness.slurm_cluster import _binary, _die_with_parent, missing_requirements
 
 #: How long a node may stay silent before slurmctld marks it DOWN (Slurm's SlurmdTimeout; its default is 300 s).

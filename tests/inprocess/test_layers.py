@@ -1,5 +1,5 @@
 """The package's layers: every import points down, no module cycle, Lightning and MPI where they belong;
-and few long functions.
+few long functions; nothing in the package needs root; no test or benchmark edits ``sys.path``.
 
 The package is cut into layers (its folders, see the map in ``lightning_recover/__init__.py``);
 a module may import its own layer and the layers below it, never one above. This test reads
@@ -17,21 +17,22 @@ from pathlib import Path
 import pytest
 
 PACKAGE = "lightning_recover"
-ROOT = Path(__file__).resolve().parents[2] / PACKAGE
+CHECKOUT = Path(__file__).resolve().parents[2]
+ROOT = CHECKOUT / PACKAGE
 
 #: The layers, bottom up. A module's layer is its folder; the root's modules are named one by one.
 LAYERS: list[str] = [
     "base",  # errors, _compat, _lightning, config: what every layer may use
-    "workload",  # layer 3, pure: policy and planner
+    "workload",  # ReCoVer's versatile workload, pure: policy and planner
     "audit",  # ledger, report, corruption fingerprints, write fences
     "runtime",  # a rank's process: lifecycle, markers, Slurm, watchdog
-    "comm",  # layer 1: communicator, data planes, process group, the engine's contract
+    "comm",  # ReCoVer's fault-aware collectives: communicator, data planes, process group, the engine's contract
     "membership",  # hot re-join: recruiter, standbys, state transfer, the replacement's entry
-    "recovery",  # layer 2: the step engine, the running job, the admission of replacements
+    "recovery",  # ReCoVer's in-step recovery: the step engine, the running job, the admission of replacements
     "feed",  # exactly-once data
     "callbacks",  # Lightning callbacks (and loggers)
     "strategies",  # the Lightning strategy
-    "testing",  # the simulated world, fake hosts
+    "testing",  # the simulated world (FakeWorld); the rigs that need root live in benchmarks/rigs
     "cli",  # the launch side
     "api",  # lightning_recover/__init__.py: the public names, resolved lazily from any layer
 ]
@@ -253,3 +254,66 @@ def test_the_long_function_count_sees_a_long_function(tmp_path: Path) -> None:
     pkg.mkdir()
     (pkg / "m.py").write_text("def short():\n    return 1\n\n\ndef long():\n" + "    x = 1\n" * LONG_FUNCTION + "    return x\n")
     assert long_functions(pkg) == [f"pkg/m.py:5 long ({LONG_FUNCTION + 2} lines)"]
+
+
+#: What only root may do: network namespaces and their tools, packet filters, mounts. The rigs that
+#: do it (fake hosts) live in benchmarks/rigs, outside the wheel.
+ROOT_ONLY_TOOLS = {"ip", "nsenter", "unshare", "iptables", "tc", "mount", "umount", "setns"}
+ROOT_ONLY_WORDS = ("netns", "CLONE_NEW")
+
+
+def root_needs(root: Path) -> list[str]:
+    """Where a module under ``root`` runs a root-only tool (an argv's first string) or names a namespace."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, (ast.List, ast.Tuple)) and node.elts:
+                first = node.elts[0]
+                if isinstance(first, ast.Constant) and first.value in ROOT_ONLY_TOOLS:
+                    found.append(f"{where} runs {first.value!r}")
+            elif isinstance(node, ast.Attribute) and node.attr in {"unshare", "setns"}:
+                found.append(f"{where} calls {node.attr}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found += [f"{where} names {w!r}" for w in ROOT_ONLY_WORDS if w in node.value]
+    return sorted(found, key=lambda f: (f.split(":")[0], int(f.split(":")[1].split()[0])))
+
+
+def test_nothing_in_the_package_needs_root() -> None:
+    assert root_needs(ROOT) == [], "move what needs root to benchmarks/rigs (the test and benchmark side)"
+
+
+def test_the_root_check_sees_a_namespace_rig(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("import os, subprocess\nsubprocess.run(['ip', 'link'])\nos.unshare(0)\nNS = '/var/run/netns'\n")
+    assert root_needs(pkg) == ["pkg/m.py:2 runs 'ip'", "pkg/m.py:3 calls unshare", "pkg/m.py:4 names 'netns'"]
+
+
+def sys_path_edits(root: Path) -> list[str]:
+    """Where a module under ``root`` changes ``sys.path``, in its code or in code it writes for a child."""
+    found = []
+    for path in sorted(p for p in root.rglob("*.py") if p != Path(__file__).resolve()):  # not the checks' own examples
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            where = f"{path.relative_to(root.parent)}:{getattr(node, 'lineno', 0)}"
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "path"
+                    and isinstance(node.value.value, ast.Name) and node.value.value.id == "sys"
+                    and node.attr in {"insert", "append", "extend", "remove"}):
+                found.append(f"{where} sys.path.{node.attr}")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "sys.path." in node.value:
+                found.append(f"{where} writes code that edits sys.path")
+    return sorted(found)
+
+
+@pytest.mark.parametrize("folder", ["benchmarks", "tests"])
+def test_no_benchmark_or_test_edits_sys_path(folder: str) -> None:
+    # benchmarks is a package (python -m benchmarks.NAME from the root); pytest's pythonpath
+    # (pyproject.toml) and the launched jobs' PYTHONPATH reach the rest.
+    assert sys_path_edits(CHECKOUT / folder) == []
+
+
+def test_the_sys_path_check_sees_an_edit(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("import sys\nsys.path.insert(0, 'x')\nCODE = \"import sys; sys.path.append('y')\"\n")
+    assert sys_path_edits(pkg) == ["pkg/m.py:2 sys.path.insert", "pkg/m.py:3 writes code that edits sys.path"]

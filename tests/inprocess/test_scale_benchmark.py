@@ -14,11 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.benchmark_scripts import benchmarks_on_path
 
-benchmarks_on_path()
-
-import scale  # noqa: E402
+from benchmarks import scale
 
 
 def test_scale_quick_measures_every_size_and_prints_the_ratio_last(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

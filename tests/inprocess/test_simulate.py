@@ -20,12 +20,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.benchmark_scripts import benchmarks_on_path
 
-benchmarks_on_path()  # benchmarks/ is a folder of scripts, not a package: its modules import by file name
 
-import simulate  # noqa: E402
-from goodput_model import (  # noqa: E402
+from benchmarks import simulate  # noqa: E402
+from benchmarks.goodput_model import (  # noqa: E402
     DAY,
     HOUR,
     ModelParams,
@@ -404,7 +402,7 @@ def test_recover_pause_and_overhead_come_from_measurements_per_job_size(tmp_path
 def test_a_missing_scale_result_names_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         simulate.main(["--scale-from", str(tmp_path / "none.json"), "--no-figure"])
-    assert exc.value.code == 2 and "run python benchmarks/scale.py to measure it" in capsys.readouterr().err
+    assert exc.value.code == 2 and "run python -m benchmarks.scale to measure it" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

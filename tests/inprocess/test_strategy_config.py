@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,8 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from model import GPT, SIZES, ByteDataset, read_corpus  # noqa: E402
+from examples.model import GPT, SIZES, ByteDataset, read_corpus
 
 from lightning_recover.audit.ledger import read_ledger  # noqa: E402
 from lightning_recover.audit.ledger_check import check_ledger  # noqa: E402

@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.benchmark_scripts import benchmarks_on_path
 
-benchmarks_on_path()  # benchmarks/ is a folder of scripts, not a package: its modules import by file name
-import trajectories  # noqa: E402
+from benchmarks import trajectories  # noqa: E402
 
 
 def _write(config: Path, ledger: list[dict], params: dict[int, dict[str, torch.Tensor]], ranks: dict[int, dict]) -> None:

@@ -11,12 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.benchmark_scripts import benchmarks_on_path
 
-benchmarks_on_path()  # benchmarks/ is a folder of scripts, not a package: its modules import by file name
 
-import common  # noqa: E402
-import goodput  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks import goodput  # noqa: E402
 
 
 def test_kill_plan_lands_every_k_steps_on_distinct_replicas() -> None:
@@ -49,7 +47,7 @@ def test_read_jsonl_skips_a_line_torn_by_a_kill(tmp_path: Path) -> None:
 
 
 def test_newest_checkpoint_counts_versioned_names(tmp_path: Path) -> None:
-    import bench_job
+    from benchmarks import bench_job
 
     for name in ("ckpt-step=4.ckpt", "ckpt-step=6.ckpt", "ckpt-step=4-v1.ckpt"):
         (tmp_path / name).write_text("x")
@@ -110,7 +108,7 @@ def test_checkpoint_restart_job_dies_once_and_resumes_from_the_newest_checkpoint
 
 
 def test_checkpoint_save_benchmark_prints_the_async_sync_ratio(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import checkpoint_save
+    from benchmarks import checkpoint_save
 
     ratio = checkpoint_save.main(["--width", "64", "--layers", "2", "--steps", "4", "--every", "2", "--dir", str(tmp_path)])
     lines = capsys.readouterr().out.strip().splitlines()
@@ -120,7 +118,7 @@ def test_checkpoint_save_benchmark_prints_the_async_sync_ratio(tmp_path: Path, c
 
 
 def test_rejoin_benchmark_summary_reads_join_costs_and_phase_step_times_from_a_ledger() -> None:
-    import rejoin  # benchmarks/rejoin.py
+    from benchmarks import rejoin  # benchmarks/rejoin.py
 
     def line(step: int, t: float, faults=(), joins=()) -> dict:
         return {"step": step, "step_time_s": t, "faults": list(faults), "joins": list(joins)}
@@ -135,7 +133,7 @@ def test_rejoin_benchmark_summary_reads_join_costs_and_phase_step_times_from_a_l
 
 
 def test_peers_kill_plan_is_checked_against_the_run() -> None:
-    import peers  # benchmarks/peers.py
+    from benchmarks import peers  # benchmarks/peers.py
 
     assert peers.parse_kills("25:3, 10:1", 400) == [(10, 1), (25, 3)]
     for bad, msg in (("10", "STEP:REPLICA"), ("0:1", "must lie in"), ("10:4", "must be in"), ("10:1,12:1", "distinct"),
@@ -145,7 +143,7 @@ def test_peers_kill_plan_is_checked_against_the_run() -> None:
 
 
 def test_peers_metrics_pause_capacity_deviation_and_samples() -> None:
-    from peers import Run, Step, metrics
+    from benchmarks.peers import Run, Step, metrics
 
     def step(s: int, t: float, loss: float = 1.0, batch: int = 8, contributors: int = 4, idx: list[int] | None = None) -> Step:
         return Step(t=t, loss=loss, batch=batch, contributors=contributors, indices=idx if idx is not None else [2 * s, 2 * s + 1])
@@ -174,8 +172,8 @@ def test_peers_quick_runs_ours_under_outside_kills_and_leaves_no_process(tmp_pat
     """``peers.py --quick`` for ReCoVer (fault-free and 2 SIGKILLs from the driver); torchft is not run in CI."""
     import time
 
-    import peers
-    from proctree import _all_pids, _cmdline
+    from benchmarks import peers
+    from benchmarks.proctree import _all_pids, _cmdline
 
     def ours() -> set[int]:
         return {p for p in _all_pids() if "bench_job" in _cmdline(p)}
@@ -195,8 +193,8 @@ def test_peers_quick_runs_ours_under_outside_kills_and_leaves_no_process(tmp_pat
 
 
 def test_step_cost_pairs_rounds_and_takes_the_median_ratio() -> None:
-    import step_cost  # benchmarks/step_cost.py
-    from peers import Run, Step
+    from benchmarks import step_cost  # benchmarks/step_cost.py
+    from benchmarks.peers import Run, Step
 
     run = Run("r", steps={s: Step(t=0.1 * s + (0.05 if s == 4 else 0.0), loss=1.0, batch=8, contributors=4, indices=[])
                           for s in range(8) if s != 6})
@@ -213,7 +211,7 @@ def test_step_cost_pairs_rounds_and_takes_the_median_ratio() -> None:
 @pytest.mark.mpi
 def test_step_cost_quick_runs_and_prints_the_headline_last(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``step_cost.py --quick`` for ReCoVer (torchft is not run in CI): a fault-free run, its step time, the headline."""
-    import step_cost
+    from benchmarks import step_cost
 
     rc = step_cost.main(["--quick", "--systems", "recover-ff", "--quiet-wait", "0", "--out", str(tmp_path / "s.json")])
     out = capsys.readouterr().out
@@ -229,7 +227,7 @@ def test_mixed_world_spawns_two_replacements_and_their_world_picks_the_tcp_cap(t
                                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """``mixed_world.py``: one job keeps the shared-memory cap; 2 ranks + 2 spawned ones (three MPI jobs,
     as after two re-joins) pick the TCP cap from their members' PMIx namespaces. Timings are not asserted."""
-    import mixed_world  # benchmarks/mixed_world.py
+    from benchmarks import mixed_world  # benchmarks/mixed_world.py
     from lightning_recover.comm import mpi_wait
 
     assert mixed_world.main(["--iters", "10", "--results", str(tmp_path / "m.json")]) == 0

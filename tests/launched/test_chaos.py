@@ -1,4 +1,4 @@
-"""The chaos campaign (benchmarks/chaos.py): its draws and predictions (lightning_recover.testing.chaos)
+"""The chaos campaign (benchmarks/chaos.py): its draws and predictions (benchmarks.rigs.campaign)
 are sane, and a short campaign of real runs has no violation."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_recover.testing.chaos import (
+from benchmarks.rigs.campaign import (
     HOST_FAULT_KINDS, JOIN_DRAW_KINDS, JOIN_PHASES, PHASES, SALVAGE_HOST_KINDS, SALVAGE_TOPOLOGIES, SECOND_HOST_FAULT_KINDS,
     SPARE_HOST, ChaosRun, Prediction, draw_host_join_run, draw_host_run, draw_host_salvage_run, draw_run, join_draw_kinds,
     last_relaunch_idle, predict,
@@ -100,10 +100,10 @@ def test_short_campaign_has_no_violation(tmp_path: Path) -> None:
     # in compute meet in one step; a 4x1 with a spare (T=3) losing two ranks in step 0 and one by
     # SIGTERM in step 1.
     cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--runs", "3", "--seed", "638", "--steps", "2", "--stuck",
+        sys.executable, "-m", "benchmarks.chaos", "--runs", "3", "--seed", "638", "--steps", "2", "--stuck",
         "--terms", "--out", str(tmp_path),
     ]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     print(res.stdout)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     lines = res.stdout.splitlines()
@@ -125,9 +125,9 @@ def test_short_join_campaign_has_no_violation(tmp_path: Path) -> None:
     # Re-join on: seed 1171 draws a 3x1 job that loses its leader (rank 0) in step 0's reduction and
     # kills rank 0's first replacement while the live state reaches it (join_transfer): that attempt
     # is dropped, the next seats the replica again, and the ledger stays exact.
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--joins", "--runs", "1", "--seed", "1171", "--steps", "30",
+    cmd = [sys.executable, "-m", "benchmarks.chaos", "--joins", "--runs", "1", "--seed", "1171", "--steps", "30",
            "--out", str(tmp_path)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     print(res.stdout)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     lines = res.stdout.splitlines()
@@ -211,10 +211,10 @@ def test_short_campaign_on_fake_hosts_has_no_violation(tmp_path: Path) -> None:
     # the 2 hosts left, from the checkpoint -- or, when the survivor commits the last steps before the
     # abort reaches it (seen in CI), the job ends in place, as the quorum rule predicts.
     cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "chaos.py"), "--hosts", "3", "--runs", "2", "--seed", "37", "--steps", "3",
+        sys.executable, "-m", "benchmarks.chaos", "--hosts", "3", "--runs", "2", "--seed", "37", "--steps", "3",
         "--bound", "300", "--out", str(tmp_path),
     ]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
     print(res.stdout)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     lines = res.stdout.splitlines()

@@ -12,12 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.benchmark_scripts import benchmarks_on_path
 
-benchmarks_on_path()  # benchmarks/ is a folder of scripts, not a package: its modules import by file name
 
-import control_plane  # noqa: E402
-import control_plane_model  # noqa: E402
+from benchmarks import control_plane  # noqa: E402
+from benchmarks import control_plane_model  # noqa: E402
 
 #: The rank script's MLP (16 -> 32 -> 2): its fp32 gradients, in bytes.
 GRAD_BYTES = (16 * 32 + 32 + 32 * 2 + 2) * 4
@@ -27,7 +25,7 @@ def test_payload_reads_mpi4py_buffer_specs() -> None:
     import numpy as np
     from mpi4py import MPI
 
-    from mpi_counter import Counter, payload
+    from benchmarks.mpi_counter import Counter, payload
 
     buf = np.zeros(10, dtype=np.float64)
     assert payload(buf) == 80 and payload([buf, MPI.DOUBLE]) == 80 and payload(MPI.IN_PLACE) == 0

@@ -12,11 +12,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_workers_shorten_the_step_of_an_io_bound_dataset() -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     argv = ["--workers", "2", "--steps", "7", "--warmup", "2", "--rounds", "1", "--sleep-ms", "15", "--mbs", "2",
             "--grad-accum", "2", "--dim", "16"]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "dataloader_workers.py"), *argv],
+        [sys.executable, "-m", "benchmarks.dataloader_workers", *argv],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

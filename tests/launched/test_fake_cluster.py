@@ -1,4 +1,4 @@
-"""Unit tests of the fake-cluster harness (lightning_recover.testing.fake_cluster): no MPI job, a second or so each.
+"""Unit tests of the fake-cluster harness (benchmarks.rigs.fake_cluster): no MPI job, a second or so each.
 
 They need root and iproute2/util-linux, like the launched fake-host tests; without them the
 harness raises MissingCapability and these tests fail, by design (CI runs as root).
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recover.testing import fake_netns as netns
-from lightning_recover.testing.fake_cluster import FakeCluster
-from lightning_recover.testing.fake_netns import MissingCapability
+from benchmarks.rigs import fake_netns as netns
+from benchmarks.rigs.fake_cluster import FakeCluster
+from benchmarks.rigs.fake_netns import MissingCapability
 
 from harness.fake_hosts import reachable
 
@@ -190,7 +190,7 @@ def _child(body: str) -> subprocess.Popen[str]:
     code = textwrap.dedent(
         f"""
         import sys, time
-        from lightning_recover.testing.fake_cluster import FakeCluster
+        from benchmarks.rigs.fake_cluster import FakeCluster
         c = FakeCluster(2).start()
         print(c.prefix, flush=True)
         {body}

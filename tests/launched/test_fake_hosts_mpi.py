@@ -1,4 +1,4 @@
-"""Launched jobs on fake hosts (lightning_recover.testing.fake_cluster): failures as clusters have them.
+"""Launched jobs on fake hosts (benchmarks.rigs.fake_cluster): failures as clusters have them.
 
 Each test runs the project's launcher on the first fake host, with ranks placed on two
 hosts, injects a host-level fault and judges the run by what the ranks wrote (the ledger
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from lightning_recover.audit.ledger import read_ledger
-from lightning_recover.testing.fake_cluster import FakeCluster
+from benchmarks.rigs.fake_cluster import FakeCluster
 from harness.mpirun import assert_reference_run, run_mpi, train_worker
 
 pytestmark = pytest.mark.mpi

@@ -1,4 +1,4 @@
-"""``python benchmarks/gpu_check.py --device cpu``: the GPU check's own code on a tiny model, as CI runs it.
+"""``python -m benchmarks.gpu_check --device cpu``: the GPU check's own code on a tiny model, as CI runs it.
 
 The script launches real ``lightning-recover`` jobs (a replica SIGKILLed in three of them) and
 a stock Lightning ``ModelParallelStrategy`` run, then writes a JSON report. Here every check
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.mpi
 
 def test_gpu_check_passes_on_cpu_and_reports_every_check(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py", "--device", "cpu", "--out", str(tmp_path), "--timeout", "240", "--budget", "800"],
+        [sys.executable, "-m", "benchmarks.gpu_check", "--device", "cpu", "--out", str(tmp_path), "--timeout", "240", "--budget", "800"],
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

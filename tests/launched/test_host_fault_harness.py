@@ -1,4 +1,4 @@
-"""HostFaultHarness (lightning_recover.testing.host_faults) on real fake hosts, no MPI job: a process
+"""HostFaultHarness (benchmarks.rigs.host_faults) on real fake hosts, no MPI job: a process
 standing for a rank (``OMPI_COMM_WORLD_RANK`` set) asks for a host fault inside a host the way
 FaultInjection does (the request/confirm contract of callbacks/fault_injection.py, without torch, so
 each stand-in starts in milliseconds; FaultInjection's own side is tests/inprocess/test_host_fault_injection.py),
@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from lightning_recover.callbacks.fault_injection import ENV_HOST_FAULTS
-from lightning_recover.testing.fake_cluster import FakeCluster
-from lightning_recover.testing.host_faults import HostFaultHarness
+from benchmarks.rigs.fake_cluster import FakeCluster
+from benchmarks.rigs.host_faults import HostFaultHarness
 
 from harness.fake_hosts import reachable
 

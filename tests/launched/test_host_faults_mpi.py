@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from lightning_recover.audit.ledger import read_ledger
-from lightning_recover.testing.fake_cluster import FakeCluster
+from benchmarks.rigs.fake_cluster import FakeCluster
 from harness.mpirun import MPIJob, assert_reference_run, train_worker
 
 pytestmark = pytest.mark.mpi

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -30,8 +31,7 @@ from harness.mpirun import MPIJob, run_mpi
 
 pytestmark = pytest.mark.mpi
 WORKER = "tests/workers/classifier.py"
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "workers"))
-from classifier import SIZES, BlobData, Classifier  # noqa: E402
+from classifier import SIZES, BlobData, Classifier
 
 STEPS_PER_EPOCH, EPOCHS = 6, 2  # 192 samples / (B = 4 replicas x 2) microbatches of 4
 SAMPLES_PER_STEP = 32
@@ -145,7 +145,6 @@ def test_every_rank_ends_with_the_same_buffers_and_parameters(jobs: dict[str, MP
 
 LOAD_BEST = """
 import json, sys, torch
-sys.path.insert(0, sys.argv[2])
 from classifier import BlobData, Classifier
 model = Classifier.load_from_checkpoint(sys.argv[1], map_location="cpu")
 model.eval()
@@ -168,8 +167,8 @@ def test_best_checkpoint_loads_in_a_plain_process_and_is_what_test_evaluated(job
     path = best.pop()
     assert Path(path).is_file() and Path(path).parent == jobs[name].outdir / "ckpt"
     res = subprocess.run(
-        [sys.executable, "-c", LOAD_BEST, path, str(Path(__file__).resolve().parents[1] / "workers")],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", LOAD_BEST, path],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "workers")}, capture_output=True, text=True, timeout=120,
     )
     assert res.returncode == 0, res.stderr[-3000:]
     loaded = json.loads(res.stdout.strip().splitlines()[-1])

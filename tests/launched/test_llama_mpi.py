@@ -12,17 +12,15 @@ fell back to plain eager would fail. The plain TP runs (fault-free and killed) a
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness.mpirun import ROOT, MPIJob, run_mpi
+from harness.mpirun import MPIJob, run_mpi
 from lightning_recover.audit.ledger import read_ledger
 
 pytestmark = pytest.mark.mpi
-sys.path.insert(0, str(ROOT / "tests" / "workers"))
 WORKER = "tests/workers/llama_worker.py"
 STEPS = 3
 KILL = [{"step": 1, "rank": 3, "phase": "backward", "kind": "kill"}]

@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 
 from lightning_recover.comm import netaddr
-from lightning_recover.testing.fake_cluster import FakeCluster
+from benchmarks.rigs.fake_cluster import FakeCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def in_host(cluster: FakeCluster, host: int, code: str, env: dict[str, str] | None = None) -> Any:
     """Run python ``code`` (which prints one JSON value) inside ``host``; return the value."""
-    prelude = f"import json, os, socket, sys; sys.path.insert(0, {str(ROOT)!r}); from lightning_recover.comm import netaddr\n"
-    argv = ["env", *[f"{k}={v}" for k, v in (env or {}).items()], sys.executable, "-c", prelude + code]
+    prelude = "import json, os, socket, sys; from lightning_recover.comm import netaddr\n"
+    argv = ["env", f"PYTHONPATH={ROOT}", *[f"{k}={v}" for k, v in (env or {}).items()], sys.executable, "-c", prelude + code]
     return json.loads(cluster.run(host, argv).stdout)
 
 

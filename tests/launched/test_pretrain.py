@@ -30,9 +30,8 @@ from harness.mpirun import ROOT, run_mpi
 EXAMPLES = ROOT / "examples"
 CONF = EXAMPLES / "conf"
 SCRIPT = "examples/pretrain.py"
-sys.path.insert(0, str(EXAMPLES))
 
-import pretrain  # noqa: E402
+from examples import pretrain  # noqa: E402
 
 
 def cfg_of(*overrides: str, hydra_cfg: bool = False):  # type: ignore[no-untyped-def]
@@ -112,7 +111,7 @@ def test_run_dir_is_shared_and_only_the_leader_writes_hydra_files(monkeypatch: p
 
 @pytest.mark.parametrize("size", ["tiny", "small", "base"])
 def test_model_group_mirrors_model_sizes(size: str) -> None:
-    from model import SIZES, GPTConfig
+    from examples.model import SIZES, GPTConfig
 
     cfg = cfg_of(f"model={size}")
     for key, value in SIZES[size].items():
@@ -123,7 +122,7 @@ def test_model_group_mirrors_model_sizes(size: str) -> None:
 
 def test_tiny_keeps_model_defaults_but_dropout() -> None:
     # The tiny config is the test/demo model: GPTConfig defaults except dropout 0.
-    from model import GPTConfig
+    from examples.model import GPTConfig
 
     cfg = cfg_of()
     defaults = GPTConfig()
@@ -290,9 +289,8 @@ def test_ledger_path_test_write_leaves_nothing(tmp_path: Path) -> None:
 ITERABLE_DRIVER = """
 import os
 import sys
-sys.path.insert(0, {examples!r})
 os.chdir({workdir!r})  # without a Hydra run, the run directory is the cwd
-import pretrain
+from examples import pretrain
 from hydra import compose, initialize_config_dir
 from torch.utils.data import IterableDataset
 
@@ -348,7 +346,7 @@ def bad_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.C
     driver = tmp / "iterable_driver.py"
     (tmp / "it").mkdir()
     driver.write_text(
-        ITERABLE_DRIVER.format(examples=str(EXAMPLES), conf=str(CONF), workdir=str(tmp / "it"), ledger=str(tmp / "it" / "ledger.jsonl"))
+        ITERABLE_DRIVER.format(conf=str(CONF), workdir=str(tmp / "it"), ledger=str(tmp / "it" / "ledger.jsonl"))
     )
     cmds["iterable"] = [sys.executable, str(driver)]
     # Plain mpiexec, without --with-ft ulfm: the job must refuse to start.

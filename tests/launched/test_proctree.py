@@ -6,11 +6,9 @@ import os
 import sys
 import time
 
-from harness.benchmark_scripts import benchmarks_on_path
 
-benchmarks_on_path()  # benchmarks/ is a folder of scripts, not a package: its modules import by file name
 
-from proctree import ProcessTree, _alive  # noqa: E402
+from benchmarks.proctree import ProcessTree, _alive  # noqa: E402
 
 # The root starts one child that leaves its process group (as PRRTE does with every rank) and
 # ignores SIGTERM, and one that leaves its session (as torchrun does with every worker), prints

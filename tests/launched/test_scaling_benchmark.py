@@ -8,12 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.benchmark_scripts import benchmarks_on_path
 from lightning_recover.audit.ledger import microbatch_ids, read_ledger
 
-benchmarks_on_path()  # benchmarks/ is a folder of scripts, not a package: its modules import by file name
 
-import scaling  # noqa: E402
+from benchmarks import scaling  # noqa: E402
 
 
 def test_power_and_log_fits_recover_known_curves() -> None:
@@ -50,7 +48,7 @@ def test_ledger_line_holds_every_id_of_the_step(tmp_path: Path) -> None:
 def test_quick_runs_the_curve_with_real_kills_and_leaves_no_process(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """``scaling.py --quick``: 4 and 8 ranks, 2 SIGKILLs each, every fault recovered with exact sums."""
-    from proctree import _all_pids, _cmdline
+    from benchmarks.proctree import _all_pids, _cmdline
 
     def ours() -> set[int]:
         return {p for p in _all_pids() if "scaling_rank.py" in _cmdline(p)}

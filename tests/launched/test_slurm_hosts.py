@@ -27,7 +27,7 @@ import pytest
 
 from lightning_recover.audit.ledger import read_ledger
 from lightning_recover.audit.ledger_check import check_ledger
-from lightning_recover.testing.fake_cluster import FakeCluster
+from benchmarks.rigs.fake_cluster import FakeCluster
 from harness.mpirun import BENCHMARKS, ROOT
 from harness.slurm_hosts import SlurmOnHosts
 

@@ -28,7 +28,7 @@ from harness.mpirun import ROOT, run_mpi
 
 from lightning_recover.audit.ledger import read_ledger
 from lightning_recover.audit.ledger_check import check_ledger
-from lightning_recover.testing.fake_cluster import FakeCluster
+from benchmarks.rigs.fake_cluster import FakeCluster
 
 pytestmark = pytest.mark.mpi
 WORKER = "tests/workers/startup_worker.py"

@@ -358,7 +358,7 @@ def test_sharded_checkpoint_resumes_resharded_and_model_checkpoint_files_load_in
     assert report["last_model_path"] == str(best / "last.ckpt")
     out = tmp_path / "loaded.pt"
     code = (
-        "import sys, torch; sys.path.insert(0, 'examples'); from model import GPT; "
+        "import sys, torch; from examples.model import GPT; "
         "load = lambda p: {k: v.clone() for k, v in GPT.load_from_checkpoint(p).state_dict().items()}; "
         f"torch.save({{'best': load({report['best_model_path']!r}), 'last': load({report['last_model_path']!r})}}, {str(out)!r}); "
         "import torch.distributed as d; assert not d.is_initialized() and 'mpi4py' not in sys.modules"

@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness.mpirun import ROOT, MPIJob, run_mpi
+from harness.mpirun import MPIJob, run_mpi
 from lightning_recover.audit.ledger import read_ledger
 
 pytestmark = pytest.mark.mpi
-sys.path.insert(0, str(ROOT / "tests" / "workers"))
 WORKER = "tests/workers/llama_worker.py"
 STEPS = 3
 ARGS = ["--shards", "2", "--tp", "2", "--steps", str(STEPS)]

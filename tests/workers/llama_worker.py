@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,8 @@ import lightning as L  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from llama import LLAMA_SIZES, Llama, canonical_name  # noqa: E402
-from model import ByteDataset, read_corpus  # noqa: E402
+from examples.llama import LLAMA_SIZES, Llama, canonical_name  # noqa: E402
+from examples.model import ByteDataset, read_corpus  # noqa: E402
 
 CORPUS_BYTES = 100_000
 #: Held-out windows for --validate: the corpus bytes after the training ones.

@@ -26,8 +26,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_recover.callbacks import FaultInjection  # noqa: E402
 from lightning_recover.strategies import ReCoVerHSDPStrategy  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from chaos import build_tiny  # noqa: E402  (benchmarks/chaos.py)
+from benchmarks.chaos import build_tiny  # noqa: E402  (benchmarks/chaos.py)
 
 
 class DieBeforeLogging(L.Callback):

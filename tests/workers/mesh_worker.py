@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_recover.strategies import ReCoVerHSDPStrategy  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from model import GPT, SIZES, ByteDataset, read_corpus  # noqa: E402
+from examples.model import GPT, SIZES, ByteDataset, read_corpus  # noqa: E402
 
 
 class UserShardedGPT(GPT):

@@ -3,14 +3,11 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import torch
 
 # The reference lives with the chaos campaign's job (benchmarks/ is scripts, not an installed package).
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from chaos import reference_run as _reference_run  # noqa: E402
+from benchmarks.chaos import reference_run as _reference_run  # noqa: E402
 from train_worker import parse  # noqa: E402
 
 

@@ -24,8 +24,7 @@ from lightning_recover.callbacks import CorruptionCheck, FaultInjection, Recover
 from lightning_recover.membership.seat import seat  # noqa: E402
 from lightning_recover.strategies import ReCoVerHSDPStrategy  # noqa: E402
 from lightning_recover.workload.step_plan import PolicyError  # noqa: E402
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from chaos import build_tiny  # noqa: E402  (benchmarks/chaos.py)
+from benchmarks.chaos import build_tiny  # noqa: E402  (benchmarks/chaos.py)
 from lightning_recover.callbacks.loggers import LeaderCSVLogger  # noqa: E402
 
 

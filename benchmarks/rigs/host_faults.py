@@ -5,7 +5,7 @@ kill, freeze or cut off its own host; :class:`~lightning_recover.callbacks.Fault
 therefore only *asks* (a request file in the directory named by
 :data:`~lightning_recover.callbacks.fault_injection.ENV_HOST_FAULTS`, see that module's
 docstring for the contract), and :class:`HostFaultHarness`, running in the process that
-owns the :class:`~lightning_recover.testing.fake_cluster.FakeCluster`, applies it to the
+owns the :class:`~benchmarks.rigs.fake_cluster.FakeCluster`, applies it to the
 requesting rank's host and confirms. Every fault it applied is kept in
 :attr:`HostFaultHarness.applied` (which ranks ran on the host at that moment, when), so a
 caller can judge the run afterwards.
@@ -35,7 +35,7 @@ from pathlib import Path
 from types import TracebackType
 
 from lightning_recover.callbacks.fault_injection import ENV_HOST_FAULTS, FLAP_DEFAULT_S, HOST_KINDS
-from lightning_recover.testing.fake_cluster import FakeCluster
+from benchmarks.rigs.fake_cluster import FakeCluster
 
 __all__ = ["AppliedHostFault", "HostFaultHarness"]
 

@@ -1,6 +1,6 @@
 """The machine's side of fake hosts: unique names, subnet claims, network namespaces and their processes.
 
-Role: test support under :mod:`lightning_recover.testing.fake_cluster`, which builds the fake
+Role: test support under :mod:`benchmarks.rigs.fake_cluster`, which builds the fake
 hosts out of what this module provides. Every name a fake cluster creates on the machine
 (network namespaces, links, ``/etc/netns`` entries) starts with a prefix naming its owner
 process (:func:`new_prefix`), and each instance claims its private ``10.77.K.0/24`` with an
@@ -27,7 +27,6 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from lightning_recover.errors import RecoverError
 
 __all__ = [
     "CLAIMS", "FakeClusterError", "MissingCapability", "NAME_ROOT", "SUBNET_BASE", "check_capabilities", "claim_subnet",
@@ -47,11 +46,11 @@ _sequence = 0
 _sequence_lock = threading.Lock()
 
 
-class MissingCapability(RecoverError, RuntimeError):
+class MissingCapability(RuntimeError):
     """The machine cannot build fake hosts (not root, or a tool is missing); the message names it."""
 
 
-class FakeClusterError(RecoverError, RuntimeError):
+class FakeClusterError(RuntimeError):
     """A fake-cluster operation failed; the message names the command and its output."""
 
 

@@ -2,9 +2,9 @@
 
 Role: test support (the launched fake-host tests, the chaos campaign's ``--hosts N``). Needs
 root, ``ip`` (iproute2), ``unshare``, ``nsenter`` and ``setsid`` (util-linux); a missing one
-is a :class:`~lightning_recover.testing.fake_netns.MissingCapability` naming it, never a silent skip.
+is a :class:`~benchmarks.rigs.fake_netns.MissingCapability` naming it, never a silent skip.
 The machine's side of it (unique names, subnet claims, namespaces and their processes,
-cleanup) is :mod:`lightning_recover.testing.fake_netns`; this module builds the hosts, runs
+cleanup) is :mod:`benchmarks.rigs.fake_netns`; this module builds the hosts, runs
 the launcher across them and applies the host faults.
 
 What a fake host is
@@ -12,7 +12,7 @@ What a fake host is
     lives in a namespace of its own (the *switch*), so no address, route or link of the
     machine's own network is touched: all traffic stays on a private ``10.77.K.0/24``
     (``K`` claimed free among concurrent instances under
-    :data:`~lightning_recover.testing.fake_netns.CLAIMS`). Each host has
+    :data:`~benchmarks.rigs.fake_netns.CLAIMS`). Each host has
     ``/etc/netns/<host>/hosts`` naming every host by its private address -- its own name
     too, not ``127.0.1.1``, unless ``own_name_loopback=True`` asks for the Debian default
     (its own name on ``127.0.1.1``, the others on their addresses). An *anchor* process per
@@ -46,7 +46,7 @@ Use::
 Teardown (on ``__exit__``, at interpreter exit, on SIGTERM, and from the fixture's
 finalizer) always kills every process of every namespace by pid, then deletes the
 namespaces (and with them the veths and the bridge), the ``/etc/netns`` entries and the
-subnet claim. :func:`~lightning_recover.testing.fake_netns.cleanup_stale` removes what an
+subnet claim. :func:`~benchmarks.rigs.fake_netns.cleanup_stale` removes what an
 instance whose process died left.
 """
 
@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
 
-from lightning_recover.testing.fake_netns import (
+from benchmarks.rigs.fake_netns import (
     SUBNET_BASE,
     FakeClusterError,
     check_capabilities,
@@ -116,7 +116,7 @@ class LaunchResult:
 _ENV_DROP = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMIX_NAMESPACE")
 
 _AGENT = """#!/bin/sh
-# ssh's stand-in for Open MPI (plm_ssh_agent), written by lightning_recover.testing.fake_cluster:
+# ssh's stand-in for Open MPI (plm_ssh_agent), written by benchmarks.rigs.fake_cluster:
 # "AGENT [options] HOST COMMAND..." runs COMMAND in HOST's namespaces, in a new session as sshd would.
 while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done
 host="$1"; shift

@@ -1,6 +1,6 @@
-"""The chaos campaign's draws, predictions and judgements, shared by ``benchmarks/chaos.py`` and the tests.
+"""The chaos campaign's draws, predictions and judgements, shared by ``python -m benchmarks.chaos`` and the tests.
 
-The campaign (``python benchmarks/chaos.py``, whose docstring states every invariant it
+The campaign (``python -m benchmarks.chaos``, whose docstring states every invariant it
 checks) kills, stops and corrupts ranks of real launched jobs at random and judges every
 run. What it draws and how it judges lives here, so that the tests check the very code
 the campaign runs, without launching anything:
