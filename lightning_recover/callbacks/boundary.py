@@ -18,14 +18,14 @@ from lightning_recover.recovery.state import Schedule, StepState
 
 
 class BoundaryScheduler(RecoveryCallback):
-    """Sets ``step.schedule`` after every repair inside a step."""
+    """Sets ``step.requests.schedule`` after every repair inside a step."""
 
     @override
     def on_boundary_step(self, trainer: Any, pl_module: Any, step: StepState) -> None:
-        want, have = set(step.mine.ids), set(step.computed)
+        want, have = set(step.mine.ids), set(step.work.computed)
         if not have <= want:
             # Only a spare turned replayer gets here: its shadow work duplicates a live
             # contributor's, so dropping it loses nothing.
-            step.schedule = Schedule(True, tuple(sorted(want)))
+            step.requests.schedule = Schedule(True, tuple(sorted(want)))
         else:
-            step.schedule = Schedule(False, tuple(sorted(want - have)))
+            step.requests.schedule = Schedule(False, tuple(sorted(want - have)))

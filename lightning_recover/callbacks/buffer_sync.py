@@ -145,11 +145,11 @@ class BufferSync(RecoveryCallback):
         # round starts at the last backward). A constant buffer (a causal mask) then costs
         # no broadcast and no agreement: the vote rides on the step's own loss reduction.
         if self._active(trainer, pl_module):
-            step.votes["buffers_changed"] = float(self._synced is None or self._print(pl_module) != self._synced)
+            step.requests.votes["buffers_changed"] = float(self._synced is None or self._print(pl_module) != self._synced)
 
     @override
     def on_before_commit(self, trainer: Any, pl_module: Any, step: StepState) -> None:
-        self._changed = step.vote_totals.get("buffers_changed", 1.0) > 0
+        self._changed = step.requests.vote_totals.get("buffers_changed", 1.0) > 0
 
     @override
     def on_step_committed(self, trainer: Any, pl_module: Any, record: dict[str, Any]) -> None:

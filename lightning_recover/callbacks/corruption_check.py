@@ -105,7 +105,7 @@ class CorruptionCheck(RecoveryCallback):
     @override
     def on_before_overlap(self, trainer: Any, pl_module: Any, step: StepState) -> None:
         if self._shadowing(step):
-            step.overlap = False  # the cross-check compares whole accumulated gradients, before any is sent
+            step.reduction.overlap = False  # the cross-check compares whole accumulated gradients, before any is sent
 
     @override
     def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
@@ -116,10 +116,10 @@ class CorruptionCheck(RecoveryCallback):
         comm, engine = strategy.comm, strategy.engine
         # What each accumulator holds, with the print: after a failure a boundary step adds other
         # ids to some accumulators, and only two that hold the same ids must agree.
-        mine = (comm.replica, comm.shard, tuple(sorted(step.computed)), fingerprint(step.local))
+        mine = (comm.replica, comm.shard, tuple(sorted(step.work.computed)), fingerprint(step.reduction.local))
         rows = engine.run_collective(lambda: comm.allgather_object(mine))
         if step.replan_pending:
-            step.redo = ()  # a replica died in the gather: the engine re-plans, then this check runs again
+            step.requests.redo = ()  # a replica died in the gather: the engine re-plans, then this check runs again
             return
         prints = {(int(r), int(s)): (tuple(ids), tuple(fp)) for r, s, ids, fp in rows}
         differing = [
@@ -148,7 +148,7 @@ class CorruptionCheck(RecoveryCallback):
                 f"(replicas {suspects}) computed different gradients; both recompute the step before it is reduced",
                 file=sys.stderr, flush=True,
             )
-        step.redo = tuple(step.mine.ids) if comm.replica in suspects else ()
+        step.requests.redo = tuple(step.mine.ids) if comm.replica in suspects else ()
 
     @override
     def on_step_committed(self, trainer: Any, pl_module: Any, record: dict[str, Any]) -> None:

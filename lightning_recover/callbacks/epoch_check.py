@@ -27,13 +27,13 @@ class EpochCheck(RecoveryCallback):
 
     @override
     def on_world_repaired(self, trainer: Any, pl_module: Any, repair: RepairResult, step: StepState | None) -> None:
-        if step is not None and step.handle is not None and not step.agreed:
-            step.stale_buckets_redone += len(step.handle.stale(repair.world_epoch))
+        if step is not None and step.reduction.handle is not None and not step.agreed:
+            step.failures.stale_buckets_redone += len(step.reduction.handle.stale(repair.world_epoch))
 
     @override
     def on_before_commit(self, trainer: Any, pl_module: Any, step: StepState) -> None:
-        assert step.handle is not None
-        bad = [(i, b.world_epoch) for i, b in enumerate(step.handle.buckets) if b.world_epoch != step.world_epoch]
+        assert step.reduction.handle is not None
+        bad = [(i, b.world_epoch) for i, b in enumerate(step.reduction.handle.buckets) if b.world_epoch != step.world_epoch]
         if bad:
             raise StaleBucketError(
                 f"buckets {bad[:8]} (index, world epoch) are not from the current world epoch {step.world_epoch}; "

@@ -32,13 +32,13 @@ class ReductionBuffers(RecoveryCallback):
 
     @override
     def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
-        step.out = self._buffers(step.local)
+        step.reduction.out = self._buffers(step.reduction.local)
         if step.mine.contributes:
-            step.send = list(step.local)
+            step.reduction.send = list(step.reduction.local)
         else:
-            for o in step.out:
+            for o in step.reduction.out:
                 o.zero_()
-            step.send = step.out
+            step.reduction.send = step.reduction.out
 
     def _buffers(self, local: list[torch.Tensor]) -> list[torch.Tensor]:
         if len(self._out) != len(local) or any(o.shape != t.shape or o.dtype != t.dtype for o, t in zip(self._out, local)):

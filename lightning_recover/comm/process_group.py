@@ -156,7 +156,7 @@ def lockstep_refusal(step: StepProgress | None, evaluating: bool) -> str | None:
     """
     if evaluating:
         return "in an evaluation batch: ranks evaluate different numbers of batches; call it in an epoch-end hook"
-    if step is not None and not step.agreed and step.microbatches_run > 0:
+    if step is not None and not step.agreed and step.work.microbatches_run > 0:
         return (
             "after the step's first microbatch: replicas run different numbers of microbatches (minor replicas, "
             "spares, replays after a failure); call it once per step, e.g. in training_step only when "

@@ -129,6 +129,20 @@ def _mpi() -> Any:
 
 
 @dataclass
+class LeaderSide:
+    """The leader's part of a spawn attempt: what it hears from the replacements, and what it seats."""
+
+    #: Merged-communicator ranks that said READY.
+    ready: set[int] = field(default_factory=set)
+    #: What each replacement said right after the merge: pid, start time, host checksum.
+    procs: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    #: The seated standby this attempt merges (None for a cold spawn).
+    standby: Standby | None = None
+    #: The port the survivors accept a standby or orphans on, closed when the attempt ends.
+    port: str | None = None
+
+
+@dataclass
 class JoinAttempt:
     """One spawn attempt in flight: its per-attempt state, in one object."""
 
@@ -141,18 +155,12 @@ class JoinAttempt:
     thread: threading.Thread | None = None
     merged: Any = None
     error: str | None = None
-    #: Merged-communicator ranks that said READY (counted by the leader).
-    ready: set[int] = field(default_factory=set)
-    #: What each replacement said right after the merge (the leader's): pid, start time, host checksum.
-    procs: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     #: GO was sent: from here on nobody tells the replacements anything more.
     admitting: bool = False
-    #: The seated standby this attempt merges (the leader's; None on the others and for a cold spawn).
-    standby: Standby | None = None
-    #: The port the survivors accept a standby or orphans on (the leader's), closed when the attempt ends.
-    port: str | None = None
     #: Processes spawned per replica it seats (the ledger's ``spawned``): S, or fewer when orphans fill the rest.
     spawned: int | None = None
+    #: What only the leader keeps of the attempt (empty on the other survivors).
+    leader: LeaderSide = field(default_factory=LeaderSide)
 
     @property
     def size(self) -> int:
@@ -309,8 +317,8 @@ class Recruiter(WarmStandbys):
         if att.error is not None:
             return "failed"
         if att.merged is None:
-            if att.standby is not None and (att.standby.error is not None or not att.standby.alive_on_this_host()):
-                att.error = f"standby {att.standby.number} died before it was merged"
+            if att.leader.standby is not None and (att.leader.standby.error is not None or not att.leader.standby.alive_on_this_host()):
+                att.error = f"standby {att.leader.standby.number} died before it was merged"
                 return "failed"
             if timed_out:
                 att.error = f"the spawn did not complete in {self.timeout_s:g} s (recover.rejoin_timeout_s)"
@@ -323,14 +331,14 @@ class Recruiter(WarmStandbys):
             while att.merged.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_READY, status=status):
                 src = status.Get_source()
                 att.merged.Recv([buf, MPI.INT64_T], source=src, tag=TAG_READY)
-                att.ready.add(src)
+                att.leader.ready.add(src)
         except MPI.Exception as exc:
             att.error = f"a replacement died while starting ({exc.Get_error_string()})"
             return "failed"
-        if len(att.ready) == att.size:
+        if len(att.leader.ready) == att.size:
             return "ready"
         if timed_out:
-            att.error = f"{att.size - len(att.ready)} replacement(s) not ready after {self.timeout_s:g} s (recover.rejoin_timeout_s)"
+            att.error = f"{att.size - len(att.leader.ready)} replacement(s) not ready after {self.timeout_s:g} s (recover.rejoin_timeout_s)"
             return "failed"
         return "waiting"
 
@@ -404,21 +412,21 @@ class Recruiter(WarmStandbys):
                           spawned=len(plan.spawned_shards))
         dup = self.comm.duplicate_world()
         if self.comm.is_leader:
-            att.port = MPI.Open_port()
+            att.leader.port = MPI.Open_port()
             members = tuple(self.comm.launch_rank_of(r) for r in orphans)
             spawn_args: tuple[str, ...] = ()
             if plan.spawned_shards:
-                told = Seat(ranks, seat_.attempt, seat_.spawned_at, {**seat_.context, ORPHANS_PORT: att.port})
+                told = Seat(ranks, seat_.attempt, seat_.spawned_at, {**seat_.context, ORPHANS_PORT: att.leader.port})
                 spawn_args = ("-m", "lightning_recover.cli.joiner", told.to_json(), *self.argv)
             info = tuple(self._placement().info_items(os.getcwd()))
             for i, orphan in enumerate(orphans):
-                seat_msg = OrphanSeat(ranks[i], members, att.port, seat_.to_json(), spawn_args, len(plan.spawned_shards), info)
+                seat_msg = OrphanSeat(ranks[i], members, att.leader.port, seat_.to_json(), spawn_args, len(plan.spawned_shards), info)
                 try:
                     send_seat(self.comm.lobby_of(orphan), orphan, seat_msg)
                 except MPI.Exception as exc:  # it died while it waited: the attempt is dropped at the next boundary
                     att.error = f"orphan rank {orphan} died while it waited ({exc.Get_error_string()})"
         self.comm.forget_orphans(orphans)
-        self._merge_in_background(att, lambda: dup.Accept(att.port, root=0), "the orphans' merge failed", "accept")
+        self._merge_in_background(att, lambda: dup.Accept(att.leader.port, root=0), "the orphans' merge failed", "accept")
         if self.comm.is_leader:
             made = (f"{len(plan.spawned_shards)} process(es) spawned by the orphans, not {layout.shards}, "
                     f"{self._placement().describe()}" if plan.spawned_shards else "no process spawned")
@@ -436,19 +444,19 @@ class Recruiter(WarmStandbys):
         att = JoinAttempt(self.started_attempts, (replica,), seat_, survivors=self.comm.world.Get_size(), spawned=layout.shards)
         dup = self.comm.duplicate_world()
         if self.comm.is_leader:
-            att.standby = next(sb for sb in self.seated if sb.replica == replica)
-            att.port = MPI.Open_port()
-            att.standby.connecting.clear()
-            self._send_link(att.standby, {"port": att.port, "attempt": att.number}, TAG_SEAT)
+            att.leader.standby = next(sb for sb in self.seated if sb.replica == replica)
+            att.leader.port = MPI.Open_port()
+            att.leader.standby.connecting.clear()
+            self._send_link(att.leader.standby, {"port": att.leader.port, "attempt": att.number}, TAG_SEAT)
             # The standby's processes, by their rank in the merged communicator (for the fence).
-            for r, proc in att.standby.procs.items():
-                att.procs[att.survivors + r - 1] = proc
+            for r, proc in att.leader.standby.procs.items():
+                att.leader.procs[att.survivors + r - 1] = proc
 
         self.fault_point("join_accept", att.number)
-        self._merge_in_background(att, lambda: dup.Accept(att.port, root=0), "the standby's merge failed", "accept")
+        self._merge_in_background(att, lambda: dup.Accept(att.leader.port, root=0), "the standby's merge failed", "accept")
         if self.comm.is_leader:
-            assert att.standby is not None
-            print(f"[lightning-recover] re-join attempt {att.number}: merging standby {att.standby.number} "
+            assert att.leader.standby is not None
+            print(f"[lightning-recover] re-join attempt {att.number}: merging standby {att.leader.standby.number} "
                   f"for replica {replica}", file=sys.stderr, flush=True)
 
     def _merge_in_background(self, att: JoinAttempt, connect: Callable[[], Any], failure: str, name: str) -> None:
@@ -472,12 +480,12 @@ class Recruiter(WarmStandbys):
 
     def _end_attempt_port(self, att: JoinAttempt) -> None:
         """Close the leader's port once its accept returned (a parked one keeps it)."""
-        if att.port is not None and att.thread is not None and not att.thread.is_alive():
+        if att.leader.port is not None and att.thread is not None and not att.thread.is_alive():
             try:
-                _mpi().Close_port(att.port)
+                _mpi().Close_port(att.leader.port)
             except _mpi().Exception:
                 pass
-            att.port = None
+            att.leader.port = None
 
     def _collect_hellos(self, att: JoinAttempt) -> None:
         """The leader receives what the replacements said after the merge
@@ -488,7 +496,7 @@ class Recruiter(WarmStandbys):
         while att.merged.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_HELLO, status=status):
             src = status.Get_source()
             att.merged.Recv([buf, MPI.INT64_T], source=src, tag=TAG_HELLO)
-            att.procs[src] = (int(buf[0]), int(buf[1]), int(buf[2]))
+            att.leader.procs[src] = (int(buf[0]), int(buf[1]), int(buf[2]))
 
     def _fence(self, att: JoinAttempt, reason: str) -> None:
         """The leader SIGKILLs the dropped attempt's replacements on its host that nobody will tell to leave:
@@ -507,8 +515,8 @@ class Recruiter(WarmStandbys):
                 pass  # a dead member: fence those that said who they are
         host = host_checksum()
         for r in att.joiner_ranks():
-            if r in att.procs and (att.admitting or r not in att.ready):
-                pid, start, where = att.procs[r]
+            if r in att.leader.procs and (att.admitting or r not in att.leader.ready):
+                pid, start, where = att.leader.procs[r]
                 if where == host:
                     lifecycle.kill_process(
                         pid, str(start), f"re-join attempt {att.number}: {reason}", by="leader",
@@ -528,7 +536,7 @@ class Recruiter(WarmStandbys):
         if self.comm.is_leader and att.merged is not None:
             abort = np.array([ABORT], dtype=np.int64)
             self._sent.append(abort)  # the buffer outlives the freed requests
-            for r in sorted(att.ready):
+            for r in sorted(att.leader.ready):
                 try:
                     att.merged.Isend([abort, MPI.INT64_T], dest=r, tag=TAG_DECISION).Free()
                 except MPI.Exception:
@@ -555,28 +563,28 @@ class Recruiter(WarmStandbys):
             # leaves Open MPI holding back the survivors' next one -- a repair's shrink included.
             unblock_cid_allocation()
         if repaired:
-            keeps_seat = att.standby is not None and att.standby.error is None and att.merged is not None
+            keeps_seat = att.leader.standby is not None and att.leader.standby.error is None and att.merged is not None
             if keeps_seat:
-                assert att.standby is not None
-                att.standby.connecting.clear()  # it asks again
+                assert att.leader.standby is not None
+                att.leader.standby.connecting.clear()  # it asks again
             else:
                 self._fence(att, f"dropped ({reason})")
-                if att.standby is not None:
-                    self._forget(att.standby, reason)
+                if att.leader.standby is not None:
+                    self._forget(att.leader.standby, reason)
             self._next_try = time.monotonic()
             if self.comm.is_leader:
                 print(f"[lightning-recover] re-join attempt {att.number} dropped: {reason}; next attempt at the next "
                       f"step boundary" + (" (the standby keeps its seat)" if keeps_seat else
                                           " (the standby was not merged yet: ended, another one takes the seat)"
-                                          if att.standby is not None else ""),
+                                          if att.leader.standby is not None else ""),
                       file=sys.stderr, flush=True)
             return
         if notify:
             self._abort(att)
         self._fence(att, f"dropped ({reason})")
-        if att.standby is not None and att.standby in self.seated:
-            self.seated.remove(att.standby)
-            self._fence_standby(att.standby, f"dropped ({reason})")
+        if att.leader.standby is not None and att.leader.standby in self.seated:
+            self.seated.remove(att.leader.standby)
+            self._fence_standby(att.leader.standby, f"dropped ({reason})")
         self.failures_in_a_row += 1
         self._next_try = time.monotonic() + self.backoff_s * 2 ** (self.failures_in_a_row - 1)
         if self.comm.is_leader:
@@ -614,8 +622,8 @@ class Recruiter(WarmStandbys):
         self.attempt = None
         self.failures_in_a_row = 0
         self._end_attempt_port(att)
-        if att.standby is not None:
-            self.seated.remove(att.standby)
+        if att.leader.standby is not None:
+            self.seated.remove(att.leader.standby)
             self.standby_failures = 0
         return True
 

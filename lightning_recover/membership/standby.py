@@ -166,7 +166,7 @@ class WarmStandbys:
             if sb.error is None and len(sb.warm) < self.shards and now - sb.spawned_at > self.timeout_s:
                 # A stopped or wedged standby never says WARM: without this, its seat would wait forever.
                 sb.error = f"not warm {self.timeout_s:g} s after its spawn (recover.rejoin_timeout_s)"
-            if sb.error is not None and (self.attempt is None or self.attempt.standby is not sb):
+            if sb.error is not None and (self.attempt is None or self.attempt.leader.standby is not sb):
                 self._forget(sb, sb.error)
         self._seat_idle_standbys()
         started = 0

@@ -69,7 +69,7 @@ from lightning_recover.comm.interface import PeerFailure, RepairResult, ReplicaC
 from lightning_recover.recovery import step_values
 from lightning_recover.recovery.hooks import Dispatch
 from lightning_recover.recovery.overlap import HelperThread, OverlappedReduction
-from lightning_recover.recovery.state import Join, Schedule, StepState
+from lightning_recover.recovery.state import Join, Schedule, StepFailures, StepState
 from lightning_recover.workload.policy import WorkloadPolicy
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class StepEngine:
         plan = self.policy.begin_step(step, self.comm.alive_replicas)
         self.state = StepState(
             step=step, replica=self.comm.replica, plan=plan, started_at=time.perf_counter(), world_epoch=self.comm.world_epoch,
-            pauses=self._carried_pauses, detects=self._carried_detects,
+            failures=StepFailures(pauses=self._carried_pauses, detects=self._carried_detects),
         )
         self._carried_pauses, self._carried_detects = [], []
         self.probes.set_computing(True)
@@ -169,12 +169,12 @@ class StepEngine:
     def record(self, offset: int, loss: float) -> None:
         """The runner computed microbatch ``offset`` (its gradient is now accumulated)."""
         st = self._current()
-        st.losses[offset] = loss
-        st.computed.append(offset)
+        st.work.losses[offset] = loss
+        st.work.computed.append(offset)
 
     def record_logged(self, offset: int, values: dict[str, step_values.Values]) -> None:
         """Values microbatch ``offset`` logged for a cross-replica sum at commit (:mod:`~.step_values`)."""
-        self._current().logged[offset] = values
+        self._current().work.logged[offset] = values
 
     def run(self, runner: MicrobatchRunner, offsets: Sequence[int]) -> None:
         for offset in offsets:
@@ -206,9 +206,9 @@ class StepEngine:
         syncs (which flushes what is pending). The last planned backward is where
         :meth:`start_overlap` belongs."""
         st = self._current()
-        self.probes.fault_point("backward", step=st.step, microbatch=st.microbatches_run)
+        self.probes.fault_point("backward", step=st.step, microbatch=st.work.microbatches_run)
         self.probes.tick()
-        st.microbatches_run += 1
+        st.work.microbatches_run += 1
         final = self._planned_phase and not st.replan_pending and offset == self._final_offset
         deferring = self._planned_phase and not st.replan_pending and not sync_every_microbatch
         return final or not deferring, final
@@ -219,32 +219,32 @@ class StepEngine:
         Returns the reduction in flight (tell it :meth:`OverlappedReduction.mark_ready` per
         finished gradient, in :meth:`plane_index` terms) or None when this step reduces
         after backward: overlap off, a re-plan pending, or an ``on_before_overlap`` callback
-        set ``step.overlap = False``. Call it at most once per step.
+        set ``step.reduction.overlap = False``. Call it at most once per step.
         """
         st = self._current()
-        if not self.overlap or st.replan_pending or st.handle is not None:
+        if not self.overlap or st.replan_pending or st.reduction.handle is not None:
             return None
         self.dispatch("on_before_overlap", st)
-        if not st.overlap:
+        if not st.reduction.overlap:
             return None
         self._prepare_reduction(runner)
         self.dispatch("on_before_reduce", st)
-        if st.redo is not None:
+        if st.requests.redo is not None:
             raise RuntimeError(
-                "a callback asked to redo microbatches (step.redo) before the last backward ran; a callback that "
-                "checks the whole local gradient must set step.overlap = False in on_before_overlap"
+                "a callback asked to redo microbatches (step.requests.redo) before the last backward ran; a callback that "
+                "checks the whole local gradient must set step.reduction.overlap = False in on_before_overlap"
             )
-        st.overlapped = True
-        st.inflight = OverlappedReduction(
-            self.comm, st.send[::-1], st.out[::-1], st.handle, before_bucket=self._overlapped_bucket, after_bucket=self._after_bucket,
+        st.reduction.overlapped = True
+        st.reduction.inflight = OverlappedReduction(
+            self.comm, st.reduction.send[::-1], st.reduction.out[::-1], st.reduction.handle, before_bucket=self._overlapped_bucket, after_bucket=self._after_bucket,
             # A round left running by an abandoned step (an exception) keeps the engine's helper busy: this one gets its own.
             helper=self._helper if self._helper.idle else None,
         )
-        return st.inflight
+        return st.reduction.inflight
 
     def plane_index(self, index: int) -> int:
         """Where gradient ``index`` (of ``runner.local_grads()``) sits in the reduction's plane order."""
-        return len(self._current().local) - 1 - index
+        return len(self._current().reduction.local) - 1 - index
 
     def gradient_ready(self, index: int, tensor: Any) -> None:
         """Backward made gradient ``index`` final, in ``tensor``: the overlapped round may reduce it.
@@ -253,19 +253,19 @@ class StepEngine:
         tensor (backward may have replaced the one :meth:`start_overlap` saw).
         """
         st = self.state
-        if st is None or st.inflight is None:
+        if st is None or st.reduction.inflight is None:
             return
-        st.local[index] = tensor
+        st.reduction.local[index] = tensor
         # A spare sends zeros (its output, in place); its gradient only stays for a promotion.
-        st.inflight.mark_ready(self.plane_index(index), tensor if st.mine.contributes else None)
+        st.reduction.inflight.mark_ready(self.plane_index(index), tensor if st.mine.contributes else None)
 
     def _prepare_reduction(self, runner: MicrobatchRunner) -> None:
         st = self._current()
-        if st.handle is None:
-            st.local = runner.local_grads()
+        if st.reduction.handle is None:
+            st.reduction.local = runner.local_grads()
             # Reverse parameter order: the order backward produces the gradients, so with
             # overlap the first bucket is the first one ready.
-            st.handle = self.comm.plan(st.local[::-1])
+            st.reduction.handle = self.comm.plan(st.reduction.local[::-1])
 
     def reduce_until_committed(self, runner: MicrobatchRunner) -> int:
         """Reduce, agree, and on failure repair and recompute until one membership commits.
@@ -290,22 +290,22 @@ class StepEngine:
             # The time blocked in a failed round (reduce + agreement) bounds how long a hung
             # peer went unnoticed; the agreement counts too, since a peer that hangs after
             # the others saw a death blocks them there.
-            st.detects.append(time.perf_counter() - round_started)
+            st.failures.detects.append(time.perf_counter() - round_started)
             if failed_at is None:
                 failed_at = time.perf_counter()
             self._recover(runner)
         # The agreed sums first: on_before_commit callbacks decide on them (BufferSync reads
         # its vote there; read before they were set, every step looked like a buffer change).
-        st.loss = float(sums.head[0]) / max(1.0, float(sums.head[1]))
-        st.logged_totals = step_values.unpack(sums.logged, sums.keys)
-        st.vote_totals = {k: float(v) for k, v in zip(sums.votes, sums.head[5:])}
+        st.work.loss = float(sums.head[0]) / max(1.0, float(sums.head[1]))
+        st.work.logged_totals = step_values.unpack(sums.logged, sums.keys)
+        st.requests.vote_totals = {k: float(v) for k, v in zip(sums.votes, sums.head[5:])}
         self.dispatch("on_before_commit", st)
         if failed_at is not None:
-            st.pauses.append(time.perf_counter() - failed_at)
+            st.failures.pauses.append(time.perf_counter() - failed_at)
         # Constant divisor: B microbatches (times the shards, whose FSDP reduce-scatter sums),
         # never the number of survivors.
         divisor = st.plan.divisor * self.shards
-        for grad, total in zip(st.local, st.out):
+        for grad, total in zip(st.reduction.local, st.reduction.out):
             grad.copy_(total).div_(divisor)
         return st.plan.divisor
 
@@ -316,13 +316,13 @@ class StepEngine:
             st.replan_pending = False
             self._abandon_inflight()
             self._boundary(runner)
-        if st.inflight is None:
+        if st.reduction.inflight is None:
             self.dispatch("on_before_reduce", st)
-        if st.redo is None:
+        if st.requests.redo is None:
             return True
         # A callback found this step's gradients suspect (a corruption cross-check):
         # recompute the ids it named from a fresh accumulator, then check again.
-        redo, st.redo = st.redo, None
+        redo, st.requests.redo = st.requests.redo, None
         if redo:
             self._run_schedule(runner, Schedule(True, redo))
         return False
@@ -332,22 +332,22 @@ class StepEngine:
         counts, votes) and the values logged with ``sync_dist``. None when a peer failed during it."""
         mine = st.mine
         owned = mine.ids if mine.contributes else ()
-        keys = step_values.keys_of(st.logged)
-        votes = sorted(st.votes)
-        head_in = step_values.header(sum(st.losses[i] for i in owned), len(owned), keys, [st.votes[k] for k in votes])
+        keys = step_values.keys_of(st.work.logged)
+        votes = sorted(st.requests.votes)
+        head_in = step_values.header(sum(st.work.losses[i] for i in owned), len(owned), keys, [st.requests.votes[k] for k in votes])
         head_out = torch.empty_like(head_in)
         # Nothing logged with sync_dist (the common step): no payload to build or reduce.
-        logged_in = step_values.payload(st.logged, owned, keys) if keys else _NO_PAYLOAD
+        logged_in = step_values.payload(st.work.logged, owned, keys) if keys else _NO_PAYLOAD
         logged_out = torch.empty_like(logged_in) if keys else _NO_PAYLOAD
         try:
-            if st.inflight is not None:
-                inflight, st.inflight = st.inflight, None
+            if st.reduction.inflight is not None:
+                inflight, st.reduction.inflight = st.reduction.inflight, None
                 with self.probes.waiting():
                     inflight.join(set_computing=self.probes.set_computing)
                 self._check_overlapped(runner, inflight)
             with self.probes.waiting():
                 self.comm.allreduce(
-                    st.send[::-1], st.out[::-1], handle=st.handle, on_bucket=self._before_bucket, after_bucket=self._after_bucket
+                    st.reduction.send[::-1], st.reduction.out[::-1], handle=st.reduction.handle, on_bucket=self._before_bucket, after_bucket=self._after_bucket
                 )
                 self.comm.allreduce([head_in], [head_out], across="world")
                 self._check_counted(head_out)
@@ -379,15 +379,15 @@ class StepEngine:
         record = commit.as_dict()
         died = set(commit.died)
         record.update(
-            loss=st.loss,
+            loss=st.work.loss,
             world_epoch=self.comm.world_epoch,
             step_time_s=time.perf_counter() - st.started_at,
             recovery_s=st.recovery_s,
-            pauses_s=st.pauses,
-            detect_s=sum(st.detects),
-            detects_s=st.detects,
-            stale_buckets=st.stale_buckets_redone,
-            overlapped=st.overlapped,
+            pauses_s=st.failures.pauses,
+            detect_s=sum(st.failures.detects),
+            detects_s=st.failures.detects,
+            stale_buckets=st.failures.stale_buckets_redone,
+            overlapped=st.reduction.overlapped,
             policy=self.policy.name,
             divisor=st.plan.divisor,
             # ok: the joiner is still there at the commit (one dead by then is also among the faults).
@@ -458,28 +458,28 @@ class StepEngine:
     def _boundary(self, runner: MicrobatchRunner) -> None:
         """Run what the re-planned step asks of this replica (callbacks decide, see on_boundary_step)."""
         st = self._current()
-        st.schedule = None
+        st.requests.schedule = None
         self.dispatch("on_boundary_step", st)
-        if st.schedule is None:
+        if st.requests.schedule is None:
             raise RuntimeError(
-                "no recovery callback scheduled the boundary step (step.schedule is None); keep "
+                "no recovery callback scheduled the boundary step (step.requests.schedule is None); keep "
                 "lightning_recover.callbacks.BoundaryScheduler in trainer.callbacks"
             )
-        self._run_schedule(runner, st.schedule)
+        self._run_schedule(runner, st.requests.schedule)
 
     def _run_schedule(self, runner: MicrobatchRunner, schedule: Schedule) -> None:
         st = self._current()
         if schedule.reset:
             for grad in runner.local_grads():
                 grad.zero_()
-            st.computed, st.losses, st.logged = [], {}, {}
+            st.work.computed, st.work.losses, st.work.logged = [], {}, {}
         self.run(runner, schedule.run)
 
     def repaired(self, res: RepairResult) -> None:
         """Account a repair (in a step or between steps) and tell the callbacks, once per repair."""
         if self.state is not None:
             self.state.world_epoch = res.world_epoch
-            self.state.lost_replicas.extend(res.lost_replicas)
+            self.state.failures.lost_replicas.extend(res.lost_replicas)
         self.faults_seen += len(res.lost_replicas)
         if self.on_repair is not None:
             self.on_repair(res)
@@ -497,7 +497,7 @@ class StepEngine:
             self._abandon_inflight()
         # Inside a step (a metric sync in training_step) the step's own record takes the
         # pause; between steps the next step's record does.
-        pauses, detects = (self.state.pauses, self.state.detects) if self.state is not None else (
+        pauses, detects = (self.state.failures.pauses, self.state.failures.detects) if self.state is not None else (
             self._carried_pauses, self._carried_detects
         )
         failed_at: float | None = None
@@ -533,8 +533,8 @@ class StepEngine:
         """
         st = self._current()
         fresh = runner.local_grads()
-        moved = [i for i, t in enumerate(fresh) if t.data_ptr() != st.local[i].data_ptr()]
-        st.local = fresh
+        moved = [i for i, t in enumerate(fresh) if t.data_ptr() != st.reduction.local[i].data_ptr()]
+        st.reduction.local = fresh
         if not moved:
             return
         log.warning(
@@ -548,9 +548,9 @@ class StepEngine:
     def _abandon_inflight(self) -> None:
         """Wait out an overlapped round and mark it to be redone (its plan changed, or another collective must run)."""
         st = self._current()
-        if st.inflight is None:
+        if st.reduction.inflight is None:
             return
-        inflight, st.inflight = st.inflight, None
+        inflight, st.reduction.inflight = st.reduction.inflight, None
         try:
             with self.probes.waiting():
                 inflight.join(set_computing=self.probes.set_computing)
@@ -562,8 +562,8 @@ class StepEngine:
 
     def abandon(self) -> None:
         """Forget a step left by an exception (below ``min_replicas``, a user error)."""
-        if self.state is not None and self.state.inflight is not None:
-            self.state.inflight.all_ready()  # never leave the helper waiting for a backward that is gone
+        if self.state is not None and self.state.reduction.inflight is not None:
+            self.state.reduction.inflight.all_ready()  # never leave the helper waiting for a backward that is gone
         self.state = None
         self.probes.set_computing(False)
 

@@ -11,10 +11,10 @@ hook                      when, and what it may do
 ========================  =================================================================
 on_before_overlap         before the last planned backward of a step, when the engine
                           overlaps the first reduction round with it; set
-                          ``step.overlap = False`` to reduce only after backward (a check
+                          ``step.reduction.overlap = False`` to reduce only after backward (a check
                           that needs this replica's whole local gradient first)
 on_before_reduce          before each reduction round of a step (one per membership); sets
-                          ``step.send`` / ``step.out`` (what is sent, where sums land). For
+                          ``step.reduction.send`` / ``step.reduction.out`` (what is sent, where sums land). For
                           an overlapped first round it runs before the last backward: the
                           gradients are not final yet, only their tensors are
 on_bucket_reduced         after bucket ``index`` completed in world epoch ``world_epoch``
@@ -22,7 +22,7 @@ on_world_repaired         after a repair removed replicas (``repair.lost_replica
                           the world to ``repair.world_epoch``; ``step`` is None outside a step.
                           Each lost replica is reported exactly once.
 on_boundary_step          after the policy re-planned a step hit by a failure; sets
-                          ``step.schedule`` (which extra microbatches this replica runs)
+                          ``step.requests.schedule`` (which extra microbatches this replica runs)
 on_before_commit          the step's reduction is agreed; last chance to refuse (raise)
                           before the sums reach the gradients and the optimizer
 on_step_committed         the optimizer stepped; ``record`` is the step's ledger line
@@ -74,7 +74,7 @@ class RecoveryHooks:
         """Replicas were lost and the world moved to ``repair.world_epoch``."""
 
     def on_boundary_step(self, trainer: Any, pl_module: Any, step: StepState) -> None:
-        """The policy re-planned ``step`` after a failure; set ``step.schedule``."""
+        """The policy re-planned ``step`` after a failure; set ``step.requests.schedule``."""
 
     def on_before_commit(self, trainer: Any, pl_module: Any, step: StepState) -> None:
         """``step`` is agreed; raise to refuse the commit."""

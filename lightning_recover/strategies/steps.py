@@ -137,14 +137,14 @@ class TrainingSteps:
         assert job.engine is not None and job.engine.state is not None and self.data is not None and job.probes is not None
         st = job.engine.state
         self._logging.offset = offset
-        job.probes.fault_point("forward", step=st.step, microbatch=st.microbatches_run)
+        job.probes.fault_point("forward", step=st.step, microbatch=st.work.microbatches_run)
         job.probes.tick()
         assert self.feed is not None
         # Seeds torch for this microbatch (the same on every replica), however it was loaded.
         # As Lightning's loop prepares a batch: the precision's input conversion (true half precision
         # casts float inputs), then the device.
         batch = self._strategy.batch_to_device(self._strategy.precision_plugin.convert_input(self.feed.get(st.step, offset)))
-        with self._strategy.replica_guard("forward"), self._logging.as_batch(batch, first=st.microbatches_run == 0):
+        with self._strategy.replica_guard("forward"), self._logging.as_batch(batch, first=st.work.microbatches_run == 0):
             out = self._lightning_step(batch, self._batch_idx)
         loss = out["loss"] if isinstance(out, Mapping) else out
         if not isinstance(loss, Tensor):
@@ -189,7 +189,7 @@ class TrainingSteps:
             assert st is not None
             job.engine.run_planned(runner)
             job.engine.reduce_until_committed(runner)
-            self._logging.apply(st.logged_totals, strategy.world_size)
+            self._logging.apply(st.work.logged_totals, strategy.world_size)
             # on_before_optimizer_step and clipping must see the reduced gradient, as with stock strategies.
             _lightning.after_closure(strategy.precision_plugin, model, optimizer)
             job.probes.fault_point("optimizer", step=st.step)

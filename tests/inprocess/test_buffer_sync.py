@@ -175,14 +175,16 @@ def test_sharded_dtensor_buffers_go_across_replicas_only() -> None:
 def test_unchanged_buffers_cost_no_collective_unless_some_rank_voted_for_one() -> None:
     from types import SimpleNamespace
 
+    from lightning_recover.recovery.state import StepRequests
+
     strategy = _Strategy(Recorder(), 4)
     trainer, m, cb = _Trainer(strategy), model(0), BufferSync()
 
     def step(others_changed: float) -> float:
-        st = SimpleNamespace(votes={}, vote_totals={})
+        st = SimpleNamespace(requests=StepRequests())
         cb.on_before_reduce(trainer, m, st)  # type: ignore[arg-type]
-        mine = st.votes["buffers_changed"]
-        st.vote_totals = {"buffers_changed": mine + others_changed}  # the step's head reduction sums the votes
+        mine = st.requests.votes["buffers_changed"]
+        st.requests.vote_totals = {"buffers_changed": mine + others_changed}  # the step's head reduction sums the votes
         cb.on_before_commit(trainer, m, st)  # type: ignore[arg-type]
         cb.on_step_committed(trainer, m, {"step": 0})
         return mine

@@ -569,10 +569,10 @@ class _Voter(RecoveryCallback):
         self.replica, self.seen = replica, seen
 
     def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
-        step.votes["v"] = float(self.replica + 1)
+        step.requests.votes["v"] = float(self.replica + 1)
 
     def on_before_commit(self, trainer: Any, pl_module: Any, step: StepState) -> None:
-        self.seen.append(dict(step.vote_totals))
+        self.seen.append(dict(step.requests.vote_totals))
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -611,11 +611,11 @@ def test_a_stale_bucket_is_never_committed() -> None:
     world = FakeWorld(1, bucket_numel=BUCKET_NUMEL)
     comm = world.comm(0)
     state = StepState(step=0, replica=0, plan=make_policy("static", 1, 1).begin_step(0, [0]), started_at=0.0, world_epoch=1)
-    state.handle = comm.plan([torch.zeros(n) for n in SIZES])
-    for b in state.handle.buckets:
+    state.reduction.handle = comm.plan([torch.zeros(n) for n in SIZES])
+    for b in state.reduction.handle.buckets:
         b.world_epoch = 1
     EpochCheck().on_before_commit(None, None, state)
-    state.handle.buckets[2].world_epoch = 0
+    state.reduction.handle.buckets[2].world_epoch = 0
     with pytest.raises(RuntimeError, match=r"\(2, 0\).*world epoch 1"):
         EpochCheck().on_before_commit(None, None, state)
 
@@ -699,7 +699,7 @@ def test_only_the_planned_run_defers_the_in_replica_sync_and_its_last_backward_o
     assert engine.before_backward(ids[0], sync_every_microbatch=False) == (False, False)
     assert engine.before_backward(ids[1], sync_every_microbatch=True) == (True, False)
     assert engine.before_backward(ids[2], sync_every_microbatch=False) == (True, True)
-    assert state.microbatches_run == 3
+    assert state.work.microbatches_run == 3
     state.replan_pending = True  # a repair re-planned the step: every backward syncs, none starts the overlap
     assert engine.before_backward(ids[2], sync_every_microbatch=False) == (True, False)
     assert engine.before_backward(ids[0], sync_every_microbatch=False) == (True, False)

@@ -67,7 +67,7 @@ def test_unsupported_reductions_name_what_to_use(op: object, dtype: torch.dtype,
 
 def _step(microbatches_run: int, agreed: bool = False) -> StepState:
     st = StepState(step=3, replica=0, plan=make_policy("static", 2, 2).begin_step(3, [0, 1]), started_at=0.0, world_epoch=0)
-    st.microbatches_run, st.agreed = microbatches_run, agreed
+    st.work.microbatches_run, st.agreed = microbatches_run, agreed
     return st
 
 
