@@ -122,13 +122,10 @@ def worker(args: argparse.Namespace) -> None:
     store = dist.TCPStore(host, port, size, is_master=(rank == 0), wait_for_workers=True)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
 
-    def ulfm(bucket: int, inplace: bool = False):
+    def ulfm(bucket: int):
         def run(x: torch.Tensor, y: torch.Tensor) -> None:
             comm.bucket_bytes = bucket  # plan() splits by the current setting
-            if inplace:  # the communicator snapshots each bucket first (its rollback copy)
-                comm.allreduce([y], across="world")
-            else:  # out of place: x stays the local value (the rollback copy), zero-copy
-                comm.allreduce([x], [y], across="world")
+            comm.allreduce([x], [y], across="world")  # x stays the local value (the rollback copy), zero-copy
 
         return run
 
@@ -144,7 +141,7 @@ def worker(args: argparse.Namespace) -> None:
 
     results = []
     for size_mb in args.sizes_mb:
-        backends = {"ulfm": ulfm(bucket_bytes), "ulfm_inplace": ulfm(bucket_bytes, inplace=True), "gloo": gloo}
+        backends = {"ulfm": ulfm(bucket_bytes), "gloo": gloo}
         if size_mb == max(args.sizes_mb):
             for b in args.sweep_buckets_mb or []:
                 backends[f"ulfm@{b:g}MB"] = ulfm(int(b * MB))
@@ -158,7 +155,7 @@ def worker(args: argparse.Namespace) -> None:
         expect = size * (size + 1) / 2
 
         def timed(fn) -> float:
-            y.copy_(x)  # gloo and in-place reduce y; out-of-place overwrites it
+            y.copy_(x)  # gloo reduces y in place; ours overwrites it
             world.Barrier()
             t0 = time.perf_counter()
             fn(x, y)
@@ -260,18 +257,16 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.ranks:
         for s in args.sizes_mb:
             g = bw("gloo", n, s)
-            ratios.append({"ranks": n, "size_mb": s, "ulfm_over_gloo": bw("ulfm", n, s) / g,
-                           "ulfm_inplace_over_gloo": bw("ulfm_inplace", n, s) / g})
+            ratios.append({"ranks": n, "size_mb": s, "ulfm_over_gloo": bw("ulfm", n, s) / g})
 
     print(f"bucket_bytes={meta['bucket_bytes']} ({meta['bucket_bytes'] / MB:g} MiB); cores={os.cpu_count()}; {meta['mpi']}")
     print("algorithm bandwidth (buffer bytes / median time of the slowest rank), GB/s")
-    header = f"{'ranks':>5} {'size':>7} {'ulfm':>9} {'ulfm-inpl':>10} {'gloo':>9} {'ulfm/gloo':>10} {'inpl/gloo':>10}"
+    header = f"{'ranks':>5} {'size':>7} {'ulfm':>9} {'gloo':>9} {'ulfm/gloo':>10}"
     print(header)
     print("-" * len(header))
     for r in ratios:
         n, s = r["ranks"], r["size_mb"]
-        print(f"{n:>5} {s:>5g}MB {bw('ulfm', n, s):>9.3f} {bw('ulfm_inplace', n, s):>10.3f} {bw('gloo', n, s):>9.3f}"
-              f" {r['ulfm_over_gloo']:>9.2f}x {r['ulfm_inplace_over_gloo']:>9.2f}x")
+        print(f"{n:>5} {s:>5g}MB {bw('ulfm', n, s):>9.3f} {bw('gloo', n, s):>9.3f} {r['ulfm_over_gloo']:>9.2f}x")
 
     big = max(args.sizes_mb)
     sweep = [f"ulfm@{b:g}MB" for b in args.sweep_buckets_mb or []]
@@ -293,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "what": "SUM all-reduce of one fp32 buffer; algbw = bytes / median(max over ranks of per-call time)",
-        "ulfm": "FaultTolerantComm.allreduce(across='world'), out-of-place; ulfm_inplace: in place (snapshots each bucket)",
+        "ulfm": "FaultTolerantComm.allreduce(across='world'), out of place (the inputs are the rollback copy)",
         "ulfm@<B>MB": "out-of-place FaultTolerantComm.allreduce with bucket_bytes = B MiB (sweep, largest size only)",
         "gloo": "torch.distributed.all_reduce on a gloo group over the same ranks, in place",
         "host": {"cores": os.cpu_count(), "cpu_busy_before": busy_before, "cpu_busy_after": busy_after, "machine": platform.machine(), "python": platform.python_version()},

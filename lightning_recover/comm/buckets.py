@@ -14,8 +14,7 @@ current world epoch. Pure Python: no MPI, no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 
 @dataclass
@@ -31,12 +30,10 @@ class Bucket:
 class ReduceHandle:
     """Progress of one bucketed reduction; pass it back to ``allreduce`` to resume after a repair.
 
-    ``snapshots`` holds the pre-reduction copy of each bucket of an *in-place* reduction
-    (keyed by bucket index); an out-of-place reduction needs none, its inputs stay intact.
+    It holds no copy of the data: the reduction is out of place, its inputs stay intact.
     """
 
     buckets: list[Bucket]
-    snapshots: dict[int, list[Any]] = field(default_factory=dict)
 
     def stale(self, world_epoch: int) -> list[int]:
         """Indices of buckets that completed under a world epoch other than ``world_epoch``."""

@@ -68,7 +68,7 @@ class Collectives:
     def allreduce(
         self,
         tensors: Sequence[torch.Tensor],
-        out: Sequence[torch.Tensor] | None = None,
+        out: Sequence[torch.Tensor],
         *,
         handle: ReduceHandle | None = None,
         across: str = "replicas",
@@ -77,9 +77,9 @@ class Collectives:
     ) -> ReduceHandle:
         """SUM-reduce ``tensors`` across replicas (same shard index) in buckets.
 
-        With ``out`` the reduction is out-of-place: ``tensors`` stay the local values and
-        serve as the rollback copy for stale buckets. Without it the reduction is in place
-        and each bucket's input is snapshotted first, so a stale bucket can be restored.
+        Always out of place: the sums land in ``out`` and ``tensors`` stay the local values,
+        the rollback copy a stale bucket is reduced again from (the step's caller owns both:
+        :class:`~lightning_recover.callbacks.reduction_buffers.ReductionBuffers`).
         Pass the returned ``handle`` back after :meth:`repair` to redo exactly the buckets
         that are not complete in the current world epoch (create it up front with
         :meth:`plan` so it survives the exception). ``across="world"`` reduces over every
@@ -89,7 +89,7 @@ class Collectives:
         current world epoch.
         """
         plane = self._plane_for(across)
-        dsts = list(out) if out is not None else list(tensors)
+        dsts = list(out)
         self._check_tensors(tensors, dsts)
         if handle is None:
             handle = self.plan(tensors)
@@ -97,12 +97,6 @@ class Collectives:
             if on_bucket is not None:
                 on_bucket(i)
             bucket = handle.buckets[i]
-            if out is None:
-                if i in handle.snapshots:  # stale: restore the local values before reducing again
-                    for (ti, s, e), snap in zip(bucket.segments, handle.snapshots[i]):
-                        tensors[ti].view(-1)[s:e].copy_(snap)
-                else:
-                    handle.snapshots[i] = [tensors[ti].view(-1)[s:e].clone() for ti, s, e in bucket.segments]
             bucket.world_epoch = None
             plane.reduce(bucket, tensors, dsts, f"reduce of bucket {i}/{len(handle.buckets)}")
             bucket.world_epoch = self.world_epoch

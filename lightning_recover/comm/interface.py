@@ -74,7 +74,7 @@ class ReplicaComm(Protocol):
     def allreduce(
         self,
         tensors: Sequence[Any],
-        out: Sequence[Any] | None = None,
+        out: Sequence[Any],
         *,
         handle: ReduceHandle | None = None,
         across: str = "replicas",

@@ -399,7 +399,7 @@ class FakeComm:
     def allreduce(
         self,
         tensors: Sequence[torch.Tensor],
-        out: Sequence[torch.Tensor] | None = None,
+        out: Sequence[torch.Tensor],
         *,
         handle: ReduceHandle | None = None,
         across: str = "replicas",
@@ -411,7 +411,7 @@ class FakeComm:
             raise ValueError(f"across must be 'replicas' or 'world', got {across!r}")
         w = self._world
         w._enter(self, f"allreduce across {across}")
-        dsts = list(out) if out is not None else list(tensors)
+        dsts = list(out)
         _check_tensors(tensors, dsts)
         if handle is None:
             handle = self.plan(tensors)
@@ -434,12 +434,6 @@ class FakeComm:
                 w._die(self, "killed", f"scripted {due}")
             first = False
             bucket = handle.buckets[i]
-            if out is None:
-                if i in handle.snapshots:  # stale: restore the local values before reducing again
-                    for (ti, s, e), snap in zip(bucket.segments, handle.snapshots[i]):
-                        tensors[ti].detach().view(-1)[s:e].copy_(snap)
-                else:
-                    handle.snapshots[i] = [tensors[ti].detach().reshape(-1)[s:e].clone() for ti, s, e in bucket.segments]
             bucket.world_epoch = None
             # A copy: the peers sum it later, after this rank may have written its own result.
             data = [

@@ -24,23 +24,23 @@ def values(comm: FakeComm, n: int = 7, dtype: torch.dtype = torch.float64) -> to
     return (torch.arange(n) + 10 * comm.rank).to(dtype)
 
 
-def reduce_agree_repair(comm: FakeComm, in_place: bool = False) -> tuple[bool, RepairResult | None, torch.Tensor, list[int]]:
+def reduce_agree_repair(comm: FakeComm) -> tuple[bool, RepairResult | None, torch.Tensor, list[int]]:
     """One round as the engine runs it; after a repair, the stale buckets are reduced again."""
     t = values(comm)
-    out = None if in_place else torch.empty_like(t)
+    out = torch.empty_like(t)
     handle = comm.plan([t])
     try:
-        comm.allreduce([t], None if out is None else [out], handle=handle)
+        comm.allreduce([t], [out], handle=handle)
         ok = True
     except PeerFailure:
         ok = False
     if comm.agree(ok):
-        return True, None, t if out is None else out, []
+        return True, None, out, []
     res = comm.repair()
     stale = handle.stale(res.world_epoch)
-    comm.allreduce([t], None if out is None else [out], handle=handle)
+    comm.allreduce([t], [out], handle=handle)
     assert handle.complete(comm.world_epoch)
-    return False, res, t if out is None else out, stale
+    return False, res, out, stale
 
 
 def test_allreduce_sums_tags_buckets_and_calls_back_in_order() -> None:
@@ -64,10 +64,9 @@ def test_allreduce_sums_tags_buckets_and_calls_back_in_order() -> None:
         assert seen[r] == [("before", 0), ("after", 0), ("before", 1), ("after", 1), ("before", 2), ("after", 2)]
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_stale_buckets_are_reduced_again_from_the_local_values(in_place: bool) -> None:
+def test_stale_buckets_are_reduced_again_from_the_local_values() -> None:
     world = FakeWorld(3, bucket_numel=2, kills=[Kill(1, "bucket", bucket=2)])
-    results = world.run(lambda c: reduce_agree_repair(c, in_place))
+    results = world.run(reduce_agree_repair)
     assert isinstance(results[1], Died) and results[1].how == "killed"
     survivors_sum = values(world.comm(0)) + values(world.comm(2))
     for r in (0, 2):
@@ -75,7 +74,7 @@ def test_stale_buckets_are_reduced_again_from_the_local_values(in_place: bool) -
         assert not committed and res is not None
         assert (res.world_epoch, res.lost_ranks, res.lost_replicas, res.alive_replicas, res.rounds) == (1, (1,), (1,), (0, 2), 1)
         assert stale == [0, 1]  # completed with rank 1 in them; bucket 2 never completed
-        # The rank-1 share of buckets 0 and 1 is gone: with in-place buckets, the snapshot restored them.
+        # The rank-1 share of buckets 0 and 1 is gone: the intact local values were reduced again.
         assert torch.equal(out, survivors_sum)
 
 
@@ -228,7 +227,7 @@ def test_scripted_kills_are_checked_and_unfired_ones_are_listed() -> None:
 
 def test_bad_arguments_name_the_fix() -> None:
     with pytest.raises(ValueError, match="across must be 'replicas' or 'world', got 'shards'"):
-        FakeWorld(1).comm(0).allreduce([torch.ones(1)], across="shards")
+        FakeWorld(1).comm(0).allreduce([torch.ones(1)], [torch.empty(1)], across="shards")
     with pytest.raises(ValueError, match="does not match input"):
         FakeWorld(1).comm(0).allreduce([torch.ones(2)], [torch.empty(3)])
     with pytest.raises(ValueError, match=r"rank 3 out of range 0..1"):
