@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lightning_recover.callbacks import BoundaryScheduler, EpochCheck, ReductionBuffers
     from lightning_recover.recovery.engine import Probes, StepEngine
-    from lightning_recover.recovery.hooks import dispatcher
+    from lightning_recover.recovery.hooks import HookCalls
     from lightning_recover.workload.factory import make_policy
 
     torch.set_num_threads(1)
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
 
     runner = Runner()
     callbacks: list[object] = [ReductionBuffers(), EpochCheck(), BoundaryScheduler()]
-    engine = StepEngine(comm, make_policy("static", n, args.G, T=n), dispatch=dispatcher(lambda: callbacks), probes=KillProbes())
+    engine = StepEngine(comm, make_policy("static", n, args.G, T=n), hooks=HookCalls(lambda: callbacks), probes=KillProbes())
 
     repairs: list[dict[str, list[int]]] = []
     real_repair = comm.repair

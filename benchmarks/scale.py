@@ -59,7 +59,7 @@ from lightning_recover.comm import quorum  # noqa: E402
 from lightning_recover.comm.buckets import ReduceHandle, plan_buckets  # noqa: E402
 from lightning_recover.comm.interface import PeerFailure, RepairResult  # noqa: E402
 from lightning_recover.recovery.engine import StepEngine  # noqa: E402
-from lightning_recover.recovery.hooks import dispatcher  # noqa: E402
+from lightning_recover.recovery.hooks import HookCalls  # noqa: E402
 from lightning_recover.workload.factory import make_policy  # noqa: E402
 from lightning_recover.workload.planner import MicrobatchPlanner  # noqa: E402
 from lightning_recover.workload.policy import WorkloadPolicy  # noqa: E402
@@ -140,7 +140,7 @@ class Rank:
         self.comm = OneRankComm(W, replica)
         self.policy: WorkloadPolicy = make_policy("static", W, G_INIT, T=targets(W))
         callbacks = [ReductionBuffers(), EpochCheck(), BoundaryScheduler()]
-        self.engine = StepEngine(self.comm, self.policy, dispatch=dispatcher(lambda: callbacks))  # type: ignore[arg-type]
+        self.engine = StepEngine(self.comm, self.policy, hooks=HookCalls(lambda: callbacks))  # type: ignore[arg-type]
         self.runner = Runner(self.engine)
         self.ledger = LedgerWriter(ledger)
         self.step = 0

@@ -2,8 +2,10 @@
 
 Subclass it and override any of the hooks documented in
 :mod:`lightning_recover.recovery.hooks` (``on_world_repaired`` to alert on a lost replica,
-``on_step_committed`` to log the ledger record, ...). The strategy dispatches them to every
-callback in ``trainer.callbacks`` that defines them, so subclassing is optional.
+``on_step_committed`` to log the ledger record, ...). The step engine calls them as typed
+methods on every callback in ``trainer.callbacks`` that is a ``RecoveryHooks`` -- this class
+is the way to be one -- so subclassing is required: nothing is looked up by name, and the
+strategy refuses a plain ``Callback`` that defines a recovery hook's method.
 """
 
 from __future__ import annotations

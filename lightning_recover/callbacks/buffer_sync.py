@@ -9,10 +9,11 @@ best checkpoint and test results depend on which rank is asked.
 :class:`BufferSync` acts in ``on_step_committed`` (the optimizer has stepped): world rank 0
 of the current membership, the *leader* (shard 0 of the lowest live replica), broadcasts
 every buffer of the model to every live rank over the ULFM world communicator, packed into
-one message. It runs through ``StepEngine.run_collective``, so a death during the
-broadcast is repaired like any other and the broadcast is redone from the leader of the
-repaired world; the buffers are overwritten only once one membership agreed that the
-broadcast completed.
+one message. The hook gets the communicator and ``StepEngine.run_collective`` from the
+engine as its ``collectives`` argument (:class:`~lightning_recover.recovery.hooks.StepCollectives`),
+so a death during the broadcast is repaired like any other and the broadcast is redone
+from the leader of the repaired world; the buffers are overwritten only once one
+membership agreed that the broadcast completed.
 
 * Every buffer is sent, whatever its dtype, as DDP does. Integer buffers can differ too:
   BatchNorm's ``num_batches_tracked`` counts forwards, and a replica that replays a lost
@@ -43,6 +44,7 @@ from typing_extensions import override
 
 from lightning_recover.audit.corruption import Fingerprint, fingerprint
 from lightning_recover.callbacks.base import RecoveryCallback
+from lightning_recover.recovery.hooks import StepCollectives
 from lightning_recover.recovery.state import StepState
 
 # Each buffer starts at a multiple of this many bytes in the packed message, so the bytes
@@ -140,7 +142,7 @@ class BufferSync(RecoveryCallback):
         self._changed = True
 
     @override
-    def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
+    def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState, collectives: StepCollectives) -> None:
         # Buffers move in forward, and every planned forward has run by now (an overlapped
         # round starts at the last backward). A constant buffer (a causal mask) then costs
         # no broadcast and no agreement: the vote rides on the step's own loss reduction.
@@ -152,19 +154,18 @@ class BufferSync(RecoveryCallback):
         self._changed = step.requests.vote_totals.get("buffers_changed", 1.0) > 0
 
     @override
-    def on_step_committed(self, trainer: Any, pl_module: Any, record: dict[str, Any]) -> None:
+    def on_step_committed(self, trainer: Any, pl_module: Any, record: dict[str, Any], collectives: StepCollectives) -> None:
         if not self._active(trainer, pl_module) or not self._changed:
             self.last_bytes = 0
             return
-        self.last_bytes = broadcast_buffers(pl_module, trainer.strategy.comm, trainer.strategy.engine.run_collective)
+        # The job's FaultTolerantComm: broadcast_tensors is beyond the engine's own ReplicaComm contract.
+        self.last_bytes = broadcast_buffers(pl_module, collectives.comm, collectives.run)  # type: ignore[arg-type]
         self._synced = self._print(pl_module)
 
     def _active(self, trainer: Any, pl_module: Any) -> bool:
-        strategy = trainer.strategy
-        return bool(
-            self.enabled and getattr(strategy, "comm", None) is not None and getattr(strategy, "engine", None) is not None
-            and pl_module is not None and strategy.world_size > 1
-        )
+        # A recovery hook runs only from a job's step engine, so a communicator is there (the
+        # collectives argument); one rank alone has nobody to sync with.
+        return bool(self.enabled and pl_module is not None and trainer.strategy.world_size > 1)
 
     @staticmethod
     def _print(module: torch.nn.Module) -> Fingerprint:

@@ -5,7 +5,9 @@ parameter shards and optimizer state (:func:`lightning_recover.audit.corruption.
 and compares it with the print of its shard index's first replica (a broadcast of two
 words, then a world sum of one "differs" flag: constant bytes per rank whatever the job's
 size). Only when some print differs does every rank gather every rank's print (O(n) per
-rank, the rare path). Replicas of the same shard index must agree bit for bit;
+rank, the rare path). Every one of these collectives runs through the hook's ``collectives``
+argument (the engine's communicator and ``run_collective``), so a death during one is
+repaired and the collective redone like any other. Replicas of the same shard index must agree bit for bit;
 :func:`~lightning_recover.audit.corruption.arbitrate` names the odd ones out by majority.
 Then, on every rank alike:
 
@@ -49,6 +51,7 @@ from typing_extensions import override
 from lightning_recover.audit.corruption import Fingerprint, Verdict, arbitrate, fingerprint
 from lightning_recover.callbacks.base import RecoveryCallback
 from lightning_recover.errors import RecoverError
+from lightning_recover.recovery.hooks import StepCollectives
 from lightning_recover.recovery.state import StepState
 from lightning_recover.runtime import lifecycle
 
@@ -108,16 +111,16 @@ class CorruptionCheck(RecoveryCallback):
             step.reduction.overlap = False  # the cross-check compares whole accumulated gradients, before any is sent
 
     @override
-    def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
+    def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState, collectives: StepCollectives) -> None:
         shadowing = self._shadowing(step)
         if not shadowing:
             return
         strategy = trainer.strategy
-        comm, engine = strategy.comm, strategy.engine
+        comm: Any = collectives.comm  # the job's FaultTolerantComm (allgather_object is beyond the engine's contract)
         # What each accumulator holds, with the print: after a failure a boundary step adds other
         # ids to some accumulators, and only two that hold the same ids must agree.
         mine = (comm.replica, comm.shard, tuple(sorted(step.work.computed)), fingerprint(step.reduction.local))
-        rows = engine.run_collective(lambda: comm.allgather_object(mine))
+        rows = collectives.run(lambda: comm.allgather_object(mine))
         if step.replan_pending:
             step.requests.redo = ()  # a replica died in the gather: the engine re-plans, then this check runs again
             return
@@ -151,7 +154,7 @@ class CorruptionCheck(RecoveryCallback):
         step.requests.redo = tuple(step.mine.ids) if comm.replica in suspects else ()
 
     @override
-    def on_step_committed(self, trainer: Any, pl_module: Any, record: dict[str, Any]) -> None:
+    def on_step_committed(self, trainer: Any, pl_module: Any, record: dict[str, Any], collectives: StepCollectives) -> None:
         step = int(record["step"])
         if self._pending:
             record.setdefault("sdc", []).extend(self._pending)
@@ -159,9 +162,9 @@ class CorruptionCheck(RecoveryCallback):
         if (step + 1) % self.every_n_steps:
             return
         strategy = trainer.strategy
-        comm, engine = strategy.comm, strategy.engine
+        comm: Any = collectives.comm  # the job's FaultTolerantComm
         tensors = state_tensors(strategy.model, strategy.optimizers)
-        verdict, shards = self._compare(comm, engine, tensors)
+        verdict, shards = self._compare(collectives, tensors)
         self.checks += 1
         if verdict.clean:
             self.last_clean_step = step
@@ -196,8 +199,8 @@ class CorruptionCheck(RecoveryCallback):
                     "evicted (recover.sdc.action=evict)"
                 )
             return
-        self._repair(comm, engine, tensors, verdict)
-        if not self._compare(comm, engine, tensors)[0].clean:
+        self._repair(collectives, tensors, verdict)
+        if not self._compare(collectives, tensors)[0].clean:
             raise SilentDataCorruptionError(f"the repair after step {step} did not make the replicas agree; relaunch from the newest checkpoint")
         self.last_clean_step = step
 
@@ -208,14 +211,15 @@ class CorruptionCheck(RecoveryCallback):
             raise stop
 
     @staticmethod
-    def _compare(comm: Any, engine: Any, tensors: list[torch.Tensor]) -> tuple[Verdict, list[int]]:
+    def _compare(collectives: StepCollectives, tensors: list[torch.Tensor]) -> tuple[Verdict, list[int]]:
         """The verdict and the shard indices whose replicas disagree: every print equal to its
         shard index's first replica's is clean at once; otherwise every rank's print is gathered."""
+        comm: Any = collectives.comm
         fp = fingerprint(tensors)
-        if engine.run_collective(lambda: CorruptionCheck._all_equal(comm, fp)):
+        if collectives.run(lambda: CorruptionCheck._all_equal(comm, fp)):
             return Verdict(), []
         mine: tuple[int, int, Fingerprint] = (comm.replica, comm.shard, fp)
-        rows = engine.run_collective(lambda: comm.allgather_object(mine))
+        rows = collectives.run(lambda: comm.allgather_object(mine))
         prints: dict[int, dict[int, Fingerprint]] = {}
         for replica, shard, fp in rows:
             prints.setdefault(int(shard), {})[int(replica)] = tuple(fp)  # type: ignore[assignment]
@@ -236,7 +240,8 @@ class CorruptionCheck(RecoveryCallback):
         return float(total[0]) == 0.0
 
     @staticmethod
-    def _repair(comm: Any, engine: Any, tensors: list[torch.Tensor], verdict: Verdict) -> None:
+    def _repair(collectives: StepCollectives, tensors: list[torch.Tensor], verdict: Verdict) -> None:
+        comm: Any = collectives.comm
         # The shard communicators order replicas by index: the lowest healthy one's position is the root.
         root = sorted(comm.alive_replicas).index(verdict.healthy[0])
-        engine.run_collective(lambda: comm.broadcast_tensors(tensors, root=root, across="replicas"))
+        collectives.run(lambda: comm.broadcast_tensors(tensors, root=root, across="replicas"))

@@ -42,6 +42,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from typing_extensions import override
 
 from lightning_recover.callbacks.base import RecoveryCallback
+from lightning_recover.recovery.hooks import StepCollectives
 
 MetricsRow = dict[str, Any]
 
@@ -235,7 +236,7 @@ class LeaderLogs(RecoveryCallback):
         for adapted, count in zip(self._adapted[len(self._adapted) - len(counts) :], counts):
             adapted.journal.base = count
 
-    def on_step_committed(self, trainer: Any, pl_module: Any, record: dict[str, Any]) -> None:
+    def on_step_committed(self, trainer: Any, pl_module: Any, record: dict[str, Any], collectives: StepCollectives) -> None:
         # With no repair since the last commit, the leader reduced this step with us, so it had
         # written everything it logged before the step: what we hold is on its disk.
         if not self._repaired:

@@ -21,6 +21,7 @@ import torch
 from typing_extensions import override
 
 from lightning_recover.callbacks.base import RecoveryCallback
+from lightning_recover.recovery.hooks import StepCollectives
 from lightning_recover.recovery.state import StepState
 
 
@@ -31,7 +32,7 @@ class ReductionBuffers(RecoveryCallback):
         self._out: list[torch.Tensor] = []
 
     @override
-    def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
+    def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState, collectives: StepCollectives) -> None:
         step.reduction.out = self._buffers(step.reduction.local)
         if step.mine.contributes:
             step.reduction.send = list(step.reduction.local)

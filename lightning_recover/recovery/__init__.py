@@ -5,7 +5,7 @@ The communicator contract it runs against (:mod:`lightning_recover.comm.interfac
 in one process is :mod:`lightning_recover.testing.fake`.
 
   state       StepState: everything one optimizer step knows, in one object
-  hooks       the recovery hooks callbacks implement, and their dispatch
+  hooks       the recovery hooks callbacks implement, their typed calls, the collectives a hook gets
   engine      StepEngine: plan, compute, reduce, agree, repair, replay, commit
   overlap     the overlapped reduction: buckets reduced while backward runs
   step_values the step's loss and logged values, summed once at the commit

@@ -1,13 +1,17 @@
 """The step engine: one optimizer step of the recovery protocol, top to bottom.
 
-The engine runs against three small contracts, so it needs neither Lightning nor MPI:
+The engine runs against four small contracts, so it needs neither Lightning nor MPI:
 
 * a :class:`~lightning_recover.comm.interface.ReplicaComm` (ULFM in production, an
   in-process fake in tests);
 * a :class:`MicrobatchRunner` that computes one step-local microbatch (forward and
   backward, accumulating into the gradients) and hands out the local gradient tensors;
 * :class:`Probes` for what watches the step from outside (the hang watchdog, fault
-  injection); they default to doing nothing.
+  injection); they default to doing nothing;
+* :class:`~lightning_recover.recovery.hooks.HookCalls`, the callbacks' recovery hooks as
+  typed calls (none by default). The hooks that communicate get the engine's
+  :class:`~lightning_recover.recovery.hooks.StepCollectives` as an argument, so a
+  collective in a hook is repaired and retried like the engine's own.
 
 One step, as every rank of every live replica runs it::
 
@@ -67,7 +71,7 @@ import torch
 
 from lightning_recover.comm.interface import PeerFailure, RepairResult, ReplicaComm
 from lightning_recover.recovery import step_values
-from lightning_recover.recovery.hooks import Dispatch
+from lightning_recover.recovery.hooks import HookCalls, StepCollectives
 from lightning_recover.recovery.overlap import HelperThread, OverlappedReduction
 from lightning_recover.recovery.state import Join, Schedule, StepFailures, StepState
 from lightning_recover.workload.policy import WorkloadPolicy
@@ -126,7 +130,7 @@ class StepEngine:
         policy: WorkloadPolicy,
         *,
         shards: int = 1,
-        dispatch: Dispatch = lambda name, *args: None,
+        hooks: HookCalls | None = None,
         probes: Probes | None = None,
         on_repair: Callable[[RepairResult], None] | None = None,
         overlap: bool = False,
@@ -136,7 +140,10 @@ class StepEngine:
         self.overlap = overlap
         self.policy = policy
         self.shards = shards
-        self.dispatch = dispatch
+        #: The recovery hooks' callbacks (none by default).
+        self.hooks = hooks or HookCalls()
+        #: What a hook that communicates gets as an argument: this engine's communicator and run_collective.
+        self.collectives = StepCollectives(comm, self.run_collective)
         self.probes = probes or Probes()
         self.on_repair = on_repair
         self.state: StepState | None = None
@@ -224,11 +231,11 @@ class StepEngine:
         st = self._current()
         if not self.overlap or st.replan_pending or st.reduction.handle is not None:
             return None
-        self.dispatch("on_before_overlap", st)
+        self.hooks.before_overlap(st)
         if not st.reduction.overlap:
             return None
         self._prepare_reduction(runner)
-        self.dispatch("on_before_reduce", st)
+        self.hooks.before_reduce(st, self.collectives)
         if st.requests.redo is not None:
             raise RuntimeError(
                 "a callback asked to redo microbatches (step.requests.redo) before the last backward ran; a callback that "
@@ -299,7 +306,7 @@ class StepEngine:
         st.work.loss = float(sums.head[0]) / max(1.0, float(sums.head[1]))
         st.work.logged_totals = step_values.unpack(sums.logged, sums.keys)
         st.requests.vote_totals = {k: float(v) for k, v in zip(sums.votes, sums.head[5:])}
-        self.dispatch("on_before_commit", st)
+        self.hooks.before_commit(st)
         if failed_at is not None:
             st.failures.pauses.append(time.perf_counter() - failed_at)
         # Constant divisor: B microbatches (times the shards, whose FSDP reduce-scatter sums),
@@ -317,7 +324,7 @@ class StepEngine:
             self._abandon_inflight()
             self._boundary(runner)
         if st.reduction.inflight is None:
-            self.dispatch("on_before_reduce", st)
+            self.hooks.before_reduce(st, self.collectives)
         if st.requests.redo is None:
             return True
         # A callback found this step's gradients suspect (a corruption cross-check):
@@ -395,7 +402,7 @@ class StepEngine:
         )
         self._joins = {}
         self.state = None
-        self.dispatch("on_step_committed", record)
+        self.hooks.step_committed(record, self.collectives)
         return record
 
     # ------------------------------------------------------------------ re-join
@@ -407,7 +414,7 @@ class StepEngine:
         loading the state a survivor sent). A joiner that takes the index of a replica the
         policy still counts as live replaces one whose loss was seen only between steps
         (a repair outside any step): that loss is recorded too, as the next step's fault.
-        Returns the joins; dispatches ``on_replicas_joined``.
+        Returns the joins; the callbacks' ``on_replicas_joined`` hears of them.
         """
         if self.state is not None:
             raise RuntimeError(
@@ -429,7 +436,7 @@ class StepEngine:
         self.policy.join(replicas, lost=set(replicas) & set(self.policy.live))
         for j in admitted:
             self._joins[j.replica] = j
-        self.dispatch("on_replicas_joined", admitted, self.policy.next_step)
+        self.hooks.replicas_joined(admitted, self.policy.next_step)
         return admitted
 
     def note_join(self, replica: int, *, transfer_s: float | None = None, pause_s: float | None = None) -> None:
@@ -459,7 +466,7 @@ class StepEngine:
         """Run what the re-planned step asks of this replica (callbacks decide, see on_boundary_step)."""
         st = self._current()
         st.requests.schedule = None
-        self.dispatch("on_boundary_step", st)
+        self.hooks.boundary_step(st)
         if st.requests.schedule is None:
             raise RuntimeError(
                 "no recovery callback scheduled the boundary step (step.requests.schedule is None); keep "
@@ -483,7 +490,7 @@ class StepEngine:
         self.faults_seen += len(res.lost_replicas)
         if self.on_repair is not None:
             self.on_repair(res)
-        self.dispatch("on_world_repaired", res, self.state)
+        self.hooks.world_repaired(res, self.state)
 
     def run_collective(self, fn: Callable[[], T]) -> T:
         """Run a collective outside the step; if a peer dies, repair and retry until one membership agrees.
@@ -543,7 +550,7 @@ class StepEngine:
         )
         for bucket in inflight.handle.buckets:
             bucket.world_epoch = None
-        self.dispatch("on_before_reduce", st)
+        self.hooks.before_reduce(st, self.collectives)
 
     def _abandon_inflight(self) -> None:
         """Wait out an overlapped round and mark it to be redone (its plan changed, or another collective must run)."""
@@ -581,7 +588,7 @@ class StepEngine:
         self.probes.tick()
 
     def _after_bucket(self, index: int) -> None:
-        self.dispatch("on_bucket_reduced", self._current(), index, self.comm.world_epoch)
+        self.hooks.bucket_reduced(self._current(), index, self.comm.world_epoch)
 
     def _current(self) -> StepState:
         if self.state is None:

@@ -76,7 +76,7 @@ from lightning_recover.membership import milestones
 from lightning_recover.membership.recruiter import Recruiter
 from lightning_recover.membership.seat import Joining, job_environ
 from lightning_recover.recovery.engine import Probes, StepEngine
-from lightning_recover.recovery.hooks import Dispatch
+from lightning_recover.recovery.hooks import HookCalls
 from lightning_recover.runtime import lifecycle
 from lightning_recover.runtime.watchdog import HangWatchdog, default_hang_timeout
 from lightning_recover.workload.factory import make_policy
@@ -110,8 +110,8 @@ class JobHost:
     devices: Callable[[], int]
     #: The trainer's callbacks (fault injection and the recovery hooks are found among them).
     callbacks: Callable[[], Iterable[object]]
-    #: The recovery hooks' dispatch to those callbacks (:func:`lightning_recover.recovery.hooks.dispatcher`).
-    dispatch: Dispatch
+    #: The recovery hooks, called on those callbacks (:class:`lightning_recover.recovery.hooks.HookCalls`).
+    hooks: HookCalls
     #: The probes for original world rank ``rank`` and the watchdog (None without one).
     make_probes: Callable[[int, HangWatchdog | None], Probes]
     #: The trainer's global step (the replica group's failure messages name it).
@@ -270,7 +270,7 @@ class RecoveryJob:
         # The engine divides by B x the data-parallel ranks (each sums its slice's gradient); TP ranks of
         # one data-parallel index compute the same samples and are not counted again.
         self.engine = engine = StepEngine(
-            self.comm, self.policy, shards=c.data_parallel, dispatch=host.dispatch, probes=self.probes, on_repair=self.on_repair,
+            self.comm, self.policy, shards=c.data_parallel, hooks=host.hooks, probes=self.probes, on_repair=self.on_repair,
             overlap=c.overlap,
         )
         self.replica_group = new_replica_group(

@@ -139,7 +139,7 @@ class StepLogging:
         if self.leader_logs is None:
             self.leader_logs = LeaderLogs()
         if self.leader_logs not in trainer.callbacks:
-            # Its on_step_committed recovery hook is dispatched to trainer.callbacks.
+            # Its on_step_committed recovery hook is called on trainer.callbacks (HookCalls).
             trainer.callbacks.append(self.leader_logs)
         leader = rank() == 0
         counts = self.leader_logs.adopt(trainer.loggers, is_leader=leader)

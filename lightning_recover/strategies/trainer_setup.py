@@ -1,7 +1,7 @@
 """What the strategy sets up on Lightning's side before the protocol's first step.
 
-* :func:`validate_trainer`: Trainer settings the recovery protocol cannot honour are
-  refused before the first step (``ConfigurationError``, fate ``user`` in
+* :func:`validate_trainer`: Trainer settings the recovery protocol cannot honour (and a
+  callback with recovery hooks that is no ``RecoveryCallback``) are refused before the first step (``ConfigurationError``, fate ``user`` in
   :mod:`lightning_recover.errors`), each message naming the setting and the fix.
 * :func:`install_callbacks`: the protocol's own callbacks (:data:`DEFAULT_CALLBACKS`, the
   silent-corruption check, the fallback checkpoint) join ``trainer.callbacks`` unless the
@@ -41,7 +41,7 @@ from lightning_recover.callbacks.checkpoint import is_fallback
 from lightning_recover.comm.interface import PeerFailure
 from lightning_recover.comm.replica_plane import resolve_replica_plane
 from lightning_recover.config import ConfigurationError, RecoverConfig
-from lightning_recover.recovery.hooks import dispatcher
+from lightning_recover.recovery.hooks import HookCalls, misnamed_hooks
 from lightning_recover.recovery.job import JobHost
 from lightning_recover.strategies.probes import StrategyProbes
 from lightning_recover.strategies.replica_group import init_replica_group
@@ -69,7 +69,8 @@ DEFAULT_CALLBACKS = (ReductionBuffers, EpochCheck, BoundaryScheduler, BufferSync
 
 
 def validate_trainer(trainer: Trainer, precision_plugin: Any) -> None:
-    """Refuse gradient accumulation by the Trainer, a GradScaler and manual optimization."""
+    """Refuse gradient accumulation by the Trainer, a GradScaler, manual optimization, and recovery hooks
+    on a callback that is no :class:`~lightning_recover.callbacks.RecoveryCallback`."""
     if trainer.accumulate_grad_batches != 1:
         raise ConfigurationError(
             f"accumulate_grad_batches={trainer.accumulate_grad_batches}: ReCoVerHSDPStrategy accumulates itself; "
@@ -83,6 +84,15 @@ def validate_trainer(trainer: Trainer, precision_plugin: Any) -> None:
         )
     if not trainer.lightning_module.automatic_optimization:
         raise ConfigurationError("ReCoVerHSDPStrategy needs automatic optimization (self.automatic_optimization = True)")
+    for cb in trainer.callbacks:
+        # Recovery hooks are typed calls on RecoveryHooks instances, never found by name: a callback that
+        # only defines such a method would silently never hear of a loss or a commit.
+        misnamed = misnamed_hooks(cb)
+        if misnamed:
+            raise ConfigurationError(
+                f"callback {type(cb).__name__} defines the recovery hook(s) {', '.join(misnamed)} but is no RecoveryCallback, "
+                "so they would never be called; subclass lightning_recover.callbacks.RecoveryCallback"
+            )
 
 
 def install_callbacks(trainer: Trainer, config: RecoverConfig) -> None:
@@ -106,7 +116,7 @@ def job_host(
         device_type=lambda: strategy.root_device.type,
         devices=lambda: len(strategy.parallel_devices or ()),
         callbacks=lambda: trainer.callbacks,
-        dispatch=dispatcher(lambda: trainer.callbacks, lambda: (trainer, strategy.lightning_module)),
+        hooks=HookCalls(lambda: trainer.callbacks, lambda: (trainer, strategy.lightning_module)),
         make_probes=lambda rank, watchdog: StrategyProbes(rank, watchdog, lambda: trainer.callbacks),
         step=lambda: trainer.global_step,
         logger_versions=lambda: [getattr(lg, "version", None) for lg in strategy.lightning_module.trainer.loggers],  # type: ignore[union-attr]

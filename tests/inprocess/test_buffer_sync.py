@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from lightning_recover.callbacks import BufferSync, broadcast_buffers
+from lightning_recover.recovery.hooks import StepCollectives
 
 
 class Recorder:
@@ -119,11 +120,10 @@ def test_a_model_without_buffers_pays_nothing() -> None:
     assert all(torch.equal(params[k], v) for k, v in m.state_dict().items())
 
 
-class _Strategy:
-    def __init__(self, comm: object, world_size: int) -> None:
-        self.comm = comm
-        self.world_size = world_size
-        self.engine = self
+class _Engine:
+    """The engine's side of a hook's collectives: counts the collectives run through it."""
+
+    def __init__(self) -> None:
         self.collectives = 0
 
     def run_collective(self, fn: Callable[[], Any]) -> Any:
@@ -131,17 +131,27 @@ class _Strategy:
         return fn()
 
 
+class _Strategy:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+
 class _Trainer:
     def __init__(self, strategy: _Strategy) -> None:
         self.strategy = strategy
 
 
+def collectives(engine: _Engine) -> StepCollectives:
+    """What the engine hands a hook: the communicator (here the leader's recorder) and its run_collective."""
+    return StepCollectives(Recorder(), engine.run_collective)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("enabled", "world_size", "expect"), [(True, 4, 1), (False, 4, 0), (True, 1, 0)])
 def test_callback_syncs_unless_disabled_or_alone(enabled: bool, world_size: int, expect: int) -> None:
-    strategy = _Strategy(Recorder(), world_size)
+    engine = _Engine()
     cb = BufferSync(enabled=enabled)
-    cb.on_step_committed(_Trainer(strategy), model(0), {"step": 0})
-    assert strategy.collectives == expect
+    cb.on_step_committed(_Trainer(_Strategy(world_size)), model(0), {"step": 0}, collectives(engine))
+    assert engine.collectives == expect
     assert (cb.last_bytes > 0) == bool(expect)
 
 
@@ -177,21 +187,21 @@ def test_unchanged_buffers_cost_no_collective_unless_some_rank_voted_for_one() -
 
     from lightning_recover.recovery.state import StepRequests
 
-    strategy = _Strategy(Recorder(), 4)
-    trainer, m, cb = _Trainer(strategy), model(0), BufferSync()
+    engine = _Engine()
+    trainer, m, cb, coll = _Trainer(_Strategy(4)), model(0), BufferSync(), collectives(engine)
 
     def step(others_changed: float) -> float:
         st = SimpleNamespace(requests=StepRequests())
-        cb.on_before_reduce(trainer, m, st)  # type: ignore[arg-type]
+        cb.on_before_reduce(trainer, m, st, coll)  # type: ignore[arg-type]
         mine = st.requests.votes["buffers_changed"]
         st.requests.vote_totals = {"buffers_changed": mine + others_changed}  # the step's head reduction sums the votes
         cb.on_before_commit(trainer, m, st)  # type: ignore[arg-type]
-        cb.on_step_committed(trainer, m, {"step": 0})
+        cb.on_step_committed(trainer, m, {"step": 0}, coll)
         return mine
 
-    assert step(0.0) == 1.0 and strategy.collectives == 1  # never synced yet: sync
-    assert step(0.0) == 0.0 and strategy.collectives == 1 and cb.last_bytes == 0  # nobody changed anything
-    assert step(2.0) == 0.0 and strategy.collectives == 2  # two other ranks' buffers moved: everyone syncs
+    assert step(0.0) == 1.0 and engine.collectives == 1  # never synced yet: sync
+    assert step(0.0) == 0.0 and engine.collectives == 1 and cb.last_bytes == 0  # nobody changed anything
+    assert step(2.0) == 0.0 and engine.collectives == 2  # two other ranks' buffers moved: everyone syncs
     next(iter(m.buffers())).add_(1)
-    assert step(0.0) == 1.0 and strategy.collectives == 3  # this rank's moved
-    assert step(0.0) == 0.0 and strategy.collectives == 3
+    assert step(0.0) == 1.0 and engine.collectives == 3  # this rank's moved
+    assert step(0.0) == 0.0 and engine.collectives == 3

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from lightning_recover.callbacks import BoundaryScheduler, EpochCheck, RecoveryCallback, ReductionBuffers
 from lightning_recover.comm.interface import RepairResult
 from lightning_recover.recovery.engine import Probes, StepEngine
-from lightning_recover.recovery.hooks import dispatcher
+from lightning_recover.recovery.hooks import HookCalls, StepCollectives
 from lightning_recover.recovery.state import StepState
 from lightning_recover.testing.fake import FakeComm, FakeWorld
 from lightning_recover.testing.fake_faults import Died, Kill
@@ -177,7 +177,7 @@ def train(comm: FakeComm, sc: Scenario, logs: dict[int, RankLog], runner_cls: ty
     policy = make_policy(sc.policy, sc.replicas, sc.G, T=sc.T, min_replicas=sc.min_replicas)
     callbacks: list[object] = [ReductionBuffers(), EpochCheck(), BoundaryScheduler(), Observer(log)]
     engine = StepEngine(
-        comm, policy, shards=sc.shards, dispatch=dispatcher(lambda: callbacks), probes=RecordingProbes(log), overlap=sc.overlap
+        comm, policy, shards=sc.shards, hooks=HookCalls(lambda: callbacks), probes=RecordingProbes(log), overlap=sc.overlap
     )
     runner = runner_cls(comm, sc, log)
     for step in range(sc.steps):
@@ -568,7 +568,7 @@ class _Voter(RecoveryCallback):
     def __init__(self, replica: int, seen: list[dict[str, float]]) -> None:
         self.replica, self.seen = replica, seen
 
-    def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState) -> None:
+    def on_before_reduce(self, trainer: Any, pl_module: Any, step: StepState, collectives: StepCollectives) -> None:
         step.requests.votes["v"] = float(self.replica + 1)
 
     def on_before_commit(self, trainer: Any, pl_module: Any, step: StepState) -> None:
@@ -585,7 +585,7 @@ def test_on_before_commit_sees_the_steps_summed_votes(overlap: bool) -> None:
     def train_voting(comm: FakeComm) -> None:
         policy = make_policy("static", sc.replicas, sc.G)
         cbs: list[object] = [ReductionBuffers(), EpochCheck(), BoundaryScheduler(), _Voter(comm.replica, seen.setdefault(comm.rank, []))]
-        engine = StepEngine(comm, policy, dispatch=dispatcher(lambda: cbs), overlap=sc.overlap)
+        engine = StepEngine(comm, policy, hooks=HookCalls(lambda: cbs), overlap=sc.overlap)
         runner = Runner(comm, sc, RankLog())
         for step in range(sc.steps):
             state = engine.begin(step)

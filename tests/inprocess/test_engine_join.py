@@ -32,7 +32,7 @@ from lightning_recover.audit.ledger_writer import LedgerWriter
 from lightning_recover.callbacks import BoundaryScheduler, EpochCheck, ReductionBuffers
 from lightning_recover.comm.interface import PeerFailure
 from lightning_recover.recovery.engine import StepEngine
-from lightning_recover.recovery.hooks import RecoveryHooks, dispatcher
+from lightning_recover.recovery.hooks import HookCalls, RecoveryHooks
 from lightning_recover.recovery.state import Join
 from lightning_recover.testing.fake import FakeComm, FakeWorld
 from lightning_recover.testing.fake_faults import Kill
@@ -174,7 +174,7 @@ def run_steps(comm: FakeComm, job: Job, policy: WorkloadPolicy, params: list[tor
     sc = job.sc
     log = job.logs[(comm.rank, comm.life)] = RankLog(comm.rank, comm.life)
     callbacks: list[object] = [ReductionBuffers(), EpochCheck(), BoundaryScheduler(), JoinObserver(log)]
-    engine = StepEngine(comm, policy, shards=sc.shards, dispatch=dispatcher(lambda: callbacks))
+    engine = StepEngine(comm, policy, shards=sc.shards, hooks=HookCalls(lambda: callbacks))
     if admitted:
         engine.admit(admitted)  # the joiner applies the same join as the survivors, to the state it received
     runner = Runner(comm, job)

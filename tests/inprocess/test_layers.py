@@ -317,3 +317,120 @@ def test_the_sys_path_check_sees_an_edit(tmp_path: Path) -> None:
     pkg.mkdir()
     (pkg / "m.py").write_text("import sys\nsys.path.insert(0, 'x')\nCODE = \"import sys; sys.path.append('y')\"\n")
     assert sys_path_edits(pkg) == ["pkg/m.py:2 sys.path.insert", "pkg/m.py:3 writes code that edits sys.path"]
+
+
+# Issue 38: recovery hooks are typed method calls on RecoveryHooks (recovery/hooks.py's HookCalls), never
+# looked up by name, and a hook that communicates gets its collectives as an argument: no callback reaches
+# into the strategy for the communicator or the step engine.
+HOOKS_MODULE = ROOT / "recovery" / "hooks.py"
+#: Attributes of the strategy a callback must not read: what it needs comes in through the hooks' arguments.
+STRATEGY_INTERNALS = {"engine", "comm"}
+REFLECTION = {"getattr", "hasattr", "setattr", "delattr"}
+
+
+def hook_names(path: Path = HOOKS_MODULE) -> set[str]:
+    """The recovery hooks' method names: the methods of class RecoveryHooks in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    classes = [node for node in ast.walk(tree) if isinstance(node, ast.ClassDef) and node.name == "RecoveryHooks"]
+    assert len(classes) == 1, f"{path} defines class RecoveryHooks once (found {len(classes)})"
+    return {node.name for node in classes[0].body if isinstance(node, ast.FunctionDef) and node.name.startswith("on_")}
+
+
+def _is_strategy(node: ast.expr) -> bool:
+    """``strategy`` or ``<anything>.strategy``: the object a callback reaches the strategy through."""
+    return (isinstance(node, ast.Name) and node.id == "strategy") or (isinstance(node, ast.Attribute) and node.attr == "strategy")
+
+
+def _shown(path: Path) -> str:
+    """``path`` as the messages show it: relative to the repository where it lies in it."""
+    return str(path.relative_to(ROOT.parent)) if path.is_relative_to(ROOT.parent) else str(path)
+
+
+def _literal(node: ast.expr) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def strategy_internals_read(path: Path) -> list[str]:
+    """Where ``path`` reads ``strategy.engine`` / ``strategy.comm`` (also ``x.strategy.comm``, ``getattr(strategy, "comm")``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and node.attr in STRATEGY_INTERNALS and _is_strategy(node.value):
+            found.append(f"{_shown(path)}:{node.lineno} {ast.unparse(node)}")
+        elif (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in REFLECTION and len(node.args) >= 2
+            and _is_strategy(node.args[0]) and _literal(node.args[1]) in STRATEGY_INTERNALS
+        ):
+            found.append(f"{_shown(path)}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def hooks_by_name(path: Path, hooks: set[str], *, dispatching: bool) -> list[str]:
+    """Where ``path`` names a recovery hook as a string: a string constant equal to a hook's name (a name
+    table, ``dispatch("on_...")``), or getattr/hasattr/setattr/delattr with an ``on_...`` literal; in a
+    module that calls hooks (``dispatching``), also any such call whose name is not a literal at all."""
+    found = []
+    where = _shown(path)
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in hooks:
+            found.append(f"{where}:{node.lineno} the string {node.value!r}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in REFLECTION and len(node.args) >= 2:
+            name = _literal(node.args[1])
+            if (name is not None and name.startswith("on_")) or (name is None and dispatching):
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def dispatching_modules() -> list[Path]:
+    """recovery/hooks.py and every module that imports it: where hooks are called."""
+    hooks_module = module_name(HOOKS_MODULE)
+    return sorted({HOOKS_MODULE} | {imp.path for imp in INTERNAL if imp.target == hooks_module})
+
+
+def test_callbacks_read_neither_the_strategys_engine_nor_its_comm() -> None:
+    found = [hit for path in sorted((ROOT / "callbacks").rglob("*.py")) for hit in strategy_internals_read(path)]
+    assert not found, (
+        "callbacks reach into the strategy for collectives:\n" + "\n".join(found)
+        + "\na recovery hook that communicates uses its `collectives` argument (recovery.hooks.StepCollectives)"
+    )
+
+
+def test_no_recovery_hook_is_found_by_name() -> None:
+    hooks = hook_names()
+    assert {"on_before_reduce", "on_step_committed", "on_world_repaired"} <= hooks, f"RecoveryHooks' methods not found: {sorted(hooks)}"
+    dispatching = set(dispatching_modules())
+    assert len(dispatching) > 2, f"no module imports {HOOKS_MODULE.name}? {sorted(dispatching)}"
+    found = [hit for path in sorted(ROOT.rglob("*.py")) for hit in hooks_by_name(path, hooks, dispatching=path in dispatching)]
+    assert not found, (
+        "recovery hooks named as strings:\n" + "\n".join(found)
+        + "\ncall them as typed methods (recovery.hooks.HookCalls: cb.on_before_reduce(...) on RecoveryHooks instances)"
+    )
+
+
+def test_the_hook_scanners_see_what_they_forbid(tmp_path: Path) -> None:
+    """The scanners themselves, on the patterns of the code issue 38 replaced."""
+    pkg = tmp_path / PACKAGE / "callbacks"
+    pkg.mkdir(parents=True)
+    callback = pkg / "cb.py"
+    callback.write_text(
+        "def f(trainer, strategy):\n"
+        "    comm, engine = strategy.comm, strategy.engine\n"
+        "    trainer.strategy.engine.run_collective(comm.barrier)\n"
+        "    return getattr(trainer.strategy, 'comm', None), trainer.strategy.model\n"
+    )
+    found = strategy_internals_read(callback)
+    assert sorted(hit.split(" ", 1)[1] for hit in found) == sorted([
+        "strategy.comm", "strategy.engine", "trainer.strategy.engine", "getattr(trainer.strategy, 'comm', None)",
+    ]), found
+    dispatch = pkg / "d.py"
+    dispatch.write_text(
+        "HOOKS = ('on_before_reduce',)\n"
+        "def dispatch(cbs, name, *args):\n"
+        "    for cb in cbs:\n"
+        "        fn = getattr(cb, name, None)\n"
+        "        if hasattr(cb, 'on_other'):\n"
+        "            pass\n"
+        "    getattr(cbs, 'size')\n"
+    )
+    assert len(hooks_by_name(dispatch, {"on_before_reduce"}, dispatching=True)) == 3
+    assert len(hooks_by_name(dispatch, {"on_before_reduce"}, dispatching=False)) == 2, "a non-literal getattr counts only where hooks are called"
+    assert hook_names() >= {"on_before_overlap", "on_replicas_joined"}

@@ -75,6 +75,16 @@ def test_bf16_mixed_runs_and_matches_fp32_closely(data: ByteDataset, tmp_path: P
     assert all(p.dtype == torch.float32 for p in m16.parameters()), "bf16-mixed keeps fp32 master weights"
 
 
+def test_a_recovery_hook_on_a_plain_callback_refused(data: ByteDataset) -> None:
+    # Hooks are typed calls on RecoveryHooks instances: this method would never be called, so setup says so.
+    class Alert(L.Callback):
+        def on_world_repaired(self, trainer, pl_module, repair, step):  # type: ignore[no-untyped-def]
+            pass
+
+    with pytest.raises(ConfigurationError, match="Alert defines the recovery hook.*on_world_repaired.*subclass.*RecoveryCallback"):
+        fit(ReCoVerHSDPStrategy(), data, callbacks=[Alert()])
+
+
 def test_accumulate_grad_batches_refused(data: ByteDataset) -> None:
     with pytest.raises(ConfigurationError, match="accumulate_grad_batches=2.*recover.grad_accum"):
         fit(ReCoVerHSDPStrategy(), data, accumulate_grad_batches=2)

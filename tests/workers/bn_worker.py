@@ -24,6 +24,7 @@ from torch.nn import functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from lightning_recover.callbacks import FaultInjection, RecoveryCallback  # noqa: E402
+from lightning_recover.recovery.hooks import StepCollectives  # noqa: E402
 from lightning_recover.strategies import ReCoVerHSDPStrategy  # noqa: E402
 
 
@@ -71,7 +72,7 @@ class PreSyncSnapshot(RecoveryCallback):
     def __init__(self) -> None:
         self.steps: dict[int, dict[str, torch.Tensor]] = {}
 
-    def on_step_committed(self, trainer: Any, pl_module: Any, record: dict[str, Any]) -> None:
+    def on_step_committed(self, trainer: Any, pl_module: Any, record: dict[str, Any], collectives: StepCollectives) -> None:
         self.steps[int(record["step"])] = local_buffers(pl_module)
 
 

@@ -141,7 +141,7 @@ class LostReplicaAlert(RecoveryCallback):
             self._write({"lost_replica": replica, "world_epoch": repair.world_epoch, "step": trainer.global_step,
                          "in_step": step is not None, "module": type(pl_module).__name__})
 
-    def on_step_committed(self, trainer, pl_module, record):  # type: ignore[no-untyped-def]
+    def on_step_committed(self, trainer, pl_module, record, collectives):  # type: ignore[no-untyped-def]
         self._write({"committed": record["step"], "world_epoch": record["world_epoch"]})
 
 
