@@ -5,7 +5,7 @@ hooks; everything a rank *owns* while the recovery protocol runs lives in one
 :class:`RecoveryJob`: the ULFM communicator and rank layout, the workload policy, the step
 engine, the hang watchdog and probes, the replica-local process groups, the step ledger
 and the re-join recruiter. The job imports no Lightning: what it needs of the trainer
-arrives as the callables and values of a :class:`JobHost`.
+arrives through one :class:`JobBridge`.
 
 Lifecycle (one job per process, started once; a resume per ``fit`` from a checkpoint, a
 re-join only on a replacement)::
@@ -56,10 +56,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -69,6 +68,7 @@ from lightning_recover.comm.communicator import FaultTolerantComm
 from lightning_recover.comm.data_plane import check_data_plane
 from lightning_recover.comm.interface import RepairResult
 from lightning_recover.comm.process_group import ProcessGroupULFM, lockstep_refusal, new_replica_group
+from lightning_recover.comm.replica_plane import resolve_replica_plane
 from lightning_recover.comm.topology import RankLayout
 from lightning_recover.comm.ulfm import failure_classes
 from lightning_recover.config import ConfigurationError, RecoverConfig
@@ -82,7 +82,7 @@ from lightning_recover.runtime.watchdog import HangWatchdog, default_hang_timeou
 from lightning_recover.workload.factory import make_policy
 from lightning_recover.workload.policy import WorkloadPolicy
 
-__all__ = ["JobHost", "RecoveryJob"]
+__all__ = ["JobBridge", "RecoveryJob"]
 
 
 def _failed_world_ranks() -> list[int]:
@@ -98,38 +98,55 @@ def _failed_world_ranks() -> list[int]:
         return []
 
 
-@dataclass(frozen=True)
-class JobHost:
-    """What the job needs of the framework that runs it (Lightning, through the strategy).
+class JobBridge(Protocol):
+    """What the job needs of the framework that runs it (Lightning, through the strategy): one object.
 
-    Given at the start (the trainer exists by then); callables, read when needed."""
+    Given at the start (the trainer exists by then); each method is asked when its answer is
+    needed, never cached. :class:`~lightning_recover.strategies.trainer_setup.LightningBridge`
+    is Lightning's."""
 
-    #: The device type this process computes on (``"cuda"``, ``"cpu"``): picks the planes and the backend.
-    device_type: Callable[[], str]
-    #: How many devices the framework was asked to drive from this process (must be 1).
-    devices: Callable[[], int]
-    #: The trainer's callbacks (fault injection and the recovery hooks are found among them).
-    callbacks: Callable[[], Iterable[object]]
-    #: The recovery hooks, called on those callbacks (:class:`lightning_recover.recovery.hooks.HookCalls`).
+    #: The recovery hooks, called on the framework's callbacks (:class:`lightning_recover.recovery.hooks.HookCalls`).
     hooks: HookCalls
-    #: The probes for original world rank ``rank`` and the watchdog (None without one).
-    make_probes: Callable[[int, HangWatchdog | None], Probes]
-    #: The trainer's global step (the replica group's failure messages name it).
-    step: Callable[[], int]
-    #: The trainer's loggers' versions (a replacement resolves the same run directories).
-    logger_versions: Callable[[], list[Any]]
-    #: Inside an evaluation batch (ranks evaluate different numbers: no lockstep collectives).
-    evaluating: Callable[[], bool]
-    #: This rank's place in the world changed: the framework's rank-zero gates follow.
-    on_ranks: Callable[[], None]
-    #: A repair changed the world (before the recruiter hears of it): logging follows.
-    on_membership: Callable[[], None]
-    #: ``recover.replica_plane`` settled for this process (``comm.replica_plane.resolve_replica_plane``).
-    resolve_replica_plane: Callable[[str, str, str], str]
-    #: Builds torch's replica-local default group (``strategies.replica_group.init_replica_group``).
-    init_replica_group: Callable[..., None]
-    #: What the interpreter's exit runs at the end of the job (the strategy's ``shutdown``).
-    end_of_job: Callable[[], None]
+
+    def device_type(self) -> str:
+        """The device type this process computes on (``"cuda"``, ``"cpu"``): picks the planes and the backend."""
+        ...
+
+    def devices(self) -> int:
+        """How many devices the framework was asked to drive from this process (must be 1)."""
+        ...
+
+    def make_probes(self, rank: int, watchdog: HangWatchdog | None) -> Probes:
+        """The probes for original world rank ``rank`` and the watchdog (None without one)."""
+        ...
+
+    def step(self) -> int:
+        """The trainer's global step (the replica group's failure messages name it)."""
+        ...
+
+    def logger_versions(self) -> list[Any]:
+        """The loggers' versions (a replacement resolves the same run directories)."""
+        ...
+
+    def evaluating(self) -> bool:
+        """Inside an evaluation batch (ranks evaluate different numbers: no lockstep collectives)."""
+        ...
+
+    def on_ranks(self) -> None:
+        """This rank's place in the world changed: the framework's rank-zero gates follow."""
+        ...
+
+    def on_membership(self) -> None:
+        """A repair changed the world (before the recruiter hears of it): logging follows."""
+        ...
+
+    def init_replica_group(self, comm: FaultTolerantComm, shards: int, timeout_s: float, backend: str, *, gather: Callable[[Any], list[Any]]) -> None:
+        """Builds torch's replica-local default group (``strategies.replica_group.init_replica_group``)."""
+        ...
+
+    def end_of_job(self) -> None:
+        """What the interpreter's exit runs at the end of the job (the strategy's ``shutdown``)."""
+        ...
 
 
 class RecoveryJob:
@@ -137,7 +154,7 @@ class RecoveryJob:
 
     def __init__(self, config: RecoverConfig) -> None:
         self.config = config
-        self._host: JobHost | None = None
+        self._host: JobBridge | None = None
         launcher_default = default_hang_timeout() if config.hang_timeout_s is None else None
         self.hang_timeout_s, self.stuck_timeout_s = config.watchdog_timeouts(launcher_default)
         self.comm: FaultTolerantComm | None = None
@@ -160,7 +177,7 @@ class RecoveryJob:
         self.resumed: dict[str, Any] | None = None
 
     @property
-    def host(self) -> JobHost:
+    def host(self) -> JobBridge:
         """What the framework lent the job at its start."""
         if self._host is None:
             raise RuntimeError("the job has no host before start(host) or start_replacement(joining, host)")
@@ -173,7 +190,7 @@ class RecoveryJob:
         return self.comm.layout.world_size if self.comm.world is None else self.comm.world_rank
 
     # ------------------------------------------------------------------ start
-    def start(self, host: JobHost) -> None:
+    def start(self, host: JobBridge) -> None:
         """This rank joins the job: MPI, crash handling, the communicator, the policy, the replica-local group, the engine."""
         self._host = host
         lifecycle.prepare_mpi()
@@ -206,7 +223,7 @@ class RecoveryJob:
         lifecycle.start_rank(self.comm.rank, self.layout.world_size, end_of_job=self.host.end_of_job)
         self._start_protocol(mates)
 
-    def start_replacement(self, joining: Joining, host: JobHost) -> None:
+    def start_replacement(self, joining: Joining, host: JobBridge) -> None:
         """This process replaces a lost rank: everything of :meth:`start` that needs no survivor.
 
         It becomes a member of the world in the strategy's ``setup``
@@ -234,7 +251,7 @@ class RecoveryJob:
         """Refuse a data or replica plane this process cannot run; settle ``replica_plane=auto``."""
         device = self.host.device_type()
         check_data_plane(self.config.data_plane, device)
-        self.replica_plane = self.host.resolve_replica_plane(self.config.replica_plane, self.config.data_plane, device)
+        self.replica_plane = resolve_replica_plane(self.config.replica_plane, self.config.data_plane, device)
 
     def _refuse_several_devices(self) -> None:
         """One process drives one device here; Trainer(devices=N) would otherwise be silently ignored."""

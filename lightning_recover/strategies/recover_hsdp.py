@@ -69,7 +69,7 @@ from lightning_recover.strategies.step_logging import StepLogging
 from lightning_recover.strategies.steps import TrainingSteps
 from lightning_recover.strategies.train_loader import ticket_loader
 from lightning_recover.strategies.trainer_setup import (
-    DEFAULT_CALLBACKS, install_callbacks, job_host, quiet_console, quiet_fence_warnings, validate_trainer,
+    DEFAULT_CALLBACKS, LightningBridge, install_callbacks, quiet_console, quiet_fence_warnings, validate_trainer,
 )
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
         # and engine are made once, by the first.
         trainer = self.lightning_module.trainer  # type: ignore[union-attr]
         if self.comm is None:
-            joining, host = spawned_seat(), job_host(self, trainer, on_ranks=self._set_ranks, on_membership=self._on_membership)
+            joining, host = spawned_seat(), LightningBridge(self, trainer, on_ranks=self._set_ranks, on_membership=self._on_membership)
             if joining is None:
                 self.job.start(host)
                 if self.config.salvage:

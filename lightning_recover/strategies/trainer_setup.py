@@ -6,9 +6,9 @@
 * :func:`install_callbacks`: the protocol's own callbacks (:data:`DEFAULT_CALLBACKS`, the
   silent-corruption check, the fallback checkpoint) join ``trainer.callbacks`` unless the
   user configured their own, before Lightning calls any callback's ``setup``.
-* :func:`job_host`: what the :class:`~lightning_recover.recovery.job.RecoveryJob` gets of
+* :class:`LightningBridge`: what the :class:`~lightning_recover.recovery.job.RecoveryJob` gets of
   Lightning (the trainer's callbacks, step and loggers; the strategy's device, gates and
-  end), so the job itself imports no Lightning.
+  end) as one object, so the job itself imports no Lightning.
 * :func:`quiet_console`, :func:`quiet_fence_warnings`: Lightning's console says what the
   user needs once, not once per rank, and nothing the strategy itself causes (its advice to
   start with ``srun``, which the strategy refuses; "Checkpoint directory ... exists and is not
@@ -22,7 +22,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.pytorch import Trainer
@@ -39,12 +39,15 @@ from lightning_recover.callbacks import (
 )
 from lightning_recover.callbacks.checkpoint import is_fallback
 from lightning_recover.comm.interface import PeerFailure
-from lightning_recover.comm.replica_plane import resolve_replica_plane
 from lightning_recover.config import ConfigurationError, RecoverConfig
 from lightning_recover.recovery.hooks import HookCalls, misnamed_hooks
-from lightning_recover.recovery.job import JobHost
 from lightning_recover.strategies.probes import StrategyProbes
 from lightning_recover.strategies.replica_group import init_replica_group
+
+if TYPE_CHECKING:
+    from lightning_recover.comm.communicator import FaultTolerantComm
+    from lightning_recover.recovery.engine import Probes
+    from lightning_recover.runtime.watchdog import HangWatchdog
 
 
 
@@ -62,7 +65,7 @@ class SetupHost(Protocol):
     def evaluating_batch(self) -> bool: ...
     def shutdown(self, exit_code: int | None = None) -> None: ...
 
-__all__ = ["DEFAULT_CALLBACKS", "install_callbacks", "job_host", "quiet_console", "quiet_fence_warnings", "validate_trainer"]
+__all__ = ["DEFAULT_CALLBACKS", "LightningBridge", "install_callbacks", "quiet_console", "quiet_fence_warnings", "validate_trainer"]
 
 #: The protocol's own callbacks, installed when the user did not pass configured ones.
 DEFAULT_CALLBACKS = (ReductionBuffers, EpochCheck, BoundaryScheduler, BufferSync)
@@ -108,25 +111,51 @@ def install_callbacks(trainer: Trainer, config: RecoverConfig) -> None:
         trainer.callbacks.append(fallback_checkpoint(ckpt.dir, ckpt.every_n_steps))  # type: ignore[arg-type]
 
 
-def job_host(
-    strategy: SetupHost, trainer: Trainer, *, on_ranks: Callable[[], None], on_membership: Callable[[], None]
-) -> JobHost:
-    """What the job gets of Lightning: ``trainer``'s callbacks, step and loggers, and the strategy's device, gates and end."""
-    return JobHost(
-        device_type=lambda: strategy.root_device.type,
-        devices=lambda: len(strategy.parallel_devices or ()),
-        callbacks=lambda: trainer.callbacks,
-        hooks=HookCalls(lambda: trainer.callbacks, lambda: (trainer, strategy.lightning_module)),
-        make_probes=lambda rank, watchdog: StrategyProbes(rank, watchdog, lambda: trainer.callbacks),
-        step=lambda: trainer.global_step,
-        logger_versions=lambda: [getattr(lg, "version", None) for lg in strategy.lightning_module.trainer.loggers],  # type: ignore[union-attr]
-        evaluating=lambda: strategy.evaluating_batch,
-        on_ranks=on_ranks,
-        on_membership=on_membership,
-        resolve_replica_plane=resolve_replica_plane,
-        init_replica_group=init_replica_group,
-        end_of_job=strategy.shutdown,
-    )
+class LightningBridge:
+    """What the job gets of Lightning (:class:`~lightning_recover.recovery.job.JobBridge`): ``trainer``'s callbacks,
+    step and loggers, and the strategy's device, rank gates and end; the job itself imports no Lightning.
+
+    ``on_ranks`` and ``on_membership`` are the strategy's reactions to a changed world (its
+    rank-zero gates, its logging), which are not part of its public surface."""
+
+    def __init__(
+        self, strategy: SetupHost, trainer: Trainer, *, on_ranks: Callable[[], None], on_membership: Callable[[], None]
+    ) -> None:
+        self._strategy, self._trainer = strategy, trainer
+        self._on_ranks, self._on_membership = on_ranks, on_membership
+        self.hooks = HookCalls(lambda: trainer.callbacks, lambda: (trainer, strategy.lightning_module))
+
+    def device_type(self) -> str:
+        return str(self._strategy.root_device.type)
+
+    def devices(self) -> int:
+        return len(self._strategy.parallel_devices or ())
+
+    def make_probes(self, rank: int, watchdog: HangWatchdog | None) -> Probes:
+        return StrategyProbes(rank, watchdog, lambda: self._trainer.callbacks)
+
+    def step(self) -> int:
+        return self._trainer.global_step
+
+    def logger_versions(self) -> list[Any]:
+        return [getattr(lg, "version", None) for lg in self._trainer.loggers]
+
+    def evaluating(self) -> bool:
+        return self._strategy.evaluating_batch
+
+    def on_ranks(self) -> None:
+        self._on_ranks()
+
+    def on_membership(self) -> None:
+        self._on_membership()
+
+    def init_replica_group(
+        self, comm: FaultTolerantComm, shards: int, timeout_s: float, backend: str, *, gather: Callable[[Any], list[Any]]
+    ) -> None:
+        init_replica_group(comm, shards, timeout_s, backend, gather=gather)
+
+    def end_of_job(self) -> None:
+        self._strategy.shutdown()
 
 
 #: Lightning's advice when an ``srun`` binary is on the PATH but did not start this process

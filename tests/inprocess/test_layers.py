@@ -434,3 +434,38 @@ def test_the_hook_scanners_see_what_they_forbid(tmp_path: Path) -> None:
     assert len(hooks_by_name(dispatch, {"on_before_reduce"}, dispatching=True)) == 3
     assert len(hooks_by_name(dispatch, {"on_before_reduce"}, dispatching=False)) == 2, "a non-literal getattr counts only where hooks are called"
     assert hook_names() >= {"on_before_overlap", "on_replicas_joined"}
+
+
+#: The protocol's state lives in these layers; a state object holds at most this many fields
+#: (StepState keeps the engine's decisions and one small part per owner).
+STATE_LAYERS = ("workload", "comm", "membership", "recovery")
+STATE_FIELDS = 12
+
+
+def wide_dataclasses(root: Path, layers: tuple[str, ...], limit: int) -> list[str]:
+    """The dataclasses of ``layers`` under ``root`` with more than ``limit`` fields."""
+    found = []
+    for layer in layers:
+        for path in sorted((root / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not isinstance(node, ast.ClassDef) or not any(
+                    "dataclass" in ast.unparse(d) for d in node.decorator_list
+                ):
+                    continue
+                fields = [b for b in node.body if isinstance(b, ast.AnnAssign) and "ClassVar" not in ast.unparse(b.annotation)]
+                if len(fields) > limit:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno} {node.name} ({len(fields)} fields)")
+    return found
+
+
+def test_no_protocol_state_object_holds_more_than_twelve_fields() -> None:
+    assert wide_dataclasses(ROOT, STATE_LAYERS, STATE_FIELDS) == [], "split it by owner, as recovery/state.py does"
+
+
+def test_the_field_count_sees_a_wide_dataclass(tmp_path: Path) -> None:
+    (tmp_path / "pkg" / "recovery").mkdir(parents=True)
+    body = "".join(f"    f{i}: int = 0\n" for i in range(STATE_FIELDS + 1))
+    (tmp_path / "pkg" / "recovery" / "s.py").write_text(
+        f"from dataclasses import dataclass\n\n@dataclass\nclass Wide:\n{body}\n@dataclass(frozen=True)\nclass Narrow:\n    a: int\n"
+    )
+    assert wide_dataclasses(tmp_path / "pkg", ("recovery",), STATE_FIELDS) == [f"pkg/recovery/s.py:4 Wide ({STATE_FIELDS + 1} fields)"]
