@@ -243,7 +243,8 @@ class StepEngine:
             )
         st.reduction.overlapped = True
         st.reduction.inflight = OverlappedReduction(
-            self.comm, st.reduction.send[::-1], st.reduction.out[::-1], st.reduction.handle, before_bucket=self._overlapped_bucket, after_bucket=self._after_bucket,
+            self.comm, st.reduction.send[::-1], st.reduction.out[::-1], st.reduction.handle,
+            before_bucket=self._overlapped_bucket, after_bucket=self._after_bucket,
             # A round left running by an abandoned step (an exception) keeps the engine's helper busy: this one gets its own.
             helper=self._helper if self._helper.idle else None,
         )
@@ -354,7 +355,8 @@ class StepEngine:
                 self._check_overlapped(runner, inflight)
             with self.probes.waiting():
                 self.comm.allreduce(
-                    st.reduction.send[::-1], st.reduction.out[::-1], handle=st.reduction.handle, on_bucket=self._before_bucket, after_bucket=self._after_bucket
+                    st.reduction.send[::-1], st.reduction.out[::-1], handle=st.reduction.handle,
+                    on_bucket=self._before_bucket, after_bucket=self._after_bucket,
                 )
                 self.comm.allreduce([head_in], [head_out], across="world")
                 self._check_counted(head_out)

@@ -140,7 +140,9 @@ class JobBridge(Protocol):
         """A repair changed the world (before the recruiter hears of it): logging follows."""
         ...
 
-    def init_replica_group(self, comm: FaultTolerantComm, shards: int, timeout_s: float, backend: str, *, gather: Callable[[Any], list[Any]]) -> None:
+    def init_replica_group(
+        self, comm: FaultTolerantComm, shards: int, timeout_s: float, backend: str, *, gather: Callable[[Any], list[Any]]
+    ) -> None:
         """Builds torch's replica-local default group (``strategies.replica_group.init_replica_group``)."""
         ...
 
