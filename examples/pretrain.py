@@ -264,6 +264,8 @@ def recover_config(cfg: DictConfig) -> RecoverConfig:
             del raw[section]  # recover.checkpoint=null, recover.rejoin=null: the section's defaults (off)
     # The schema types recover.rejoin as the section, so its short forms are folded in first. The YAML
     # spells the whole section, so a flat key the user added overrides the section's value.
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    refuse_replaced_section(raw, overrides)
     raw = fold_short_forms(raw, flat_over_section=True)
     try:
         config = OmegaConf.to_object(OmegaConf.merge(recover_schema(), raw))
@@ -271,6 +273,26 @@ def recover_config(cfg: DictConfig) -> RecoverConfig:
         raise _schema_error(exc, raw) from None
     assert isinstance(config, RecoverConfig)
     return config
+
+
+def refuse_replaced_section(raw: dict[str, Any], overrides: list[str]) -> None:
+    """Refuse ``recover.rejoin=true`` given with ``recover.rejoin.<key>=...`` overrides.
+
+    Hydra applies the short form by replacing the group's whole ``rejoin`` section with the
+    bool, so a ``recover.rejoin.standbys=2`` before it would be dropped without a word (and
+    one after it is refused by Hydra itself). ``overrides`` are the run's command-line
+    overrides (``hydra.overrides.task``).
+    """
+    switch = raw.get("rejoin")
+    if not isinstance(switch, bool):
+        return
+    lost = [o for o in overrides if o.lstrip("+~").startswith("recover.rejoin.")]
+    if lost:
+        word = str(switch).lower()
+        raise ConfigurationError(
+            f"recover.rejoin={word} replaces the whole recover.rejoin section, so {lost[0]} would be lost; "
+            f"write recover.rejoin.enabled={word} instead of recover.rejoin={word}"
+        )
 
 
 def _schema_error(exc: OmegaConfBaseException, raw: dict[str, Any]) -> ConfigurationError:

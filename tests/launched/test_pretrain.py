@@ -246,6 +246,19 @@ def test_rejoin_overrides_in_either_spelling_give_equal_configs(overrides: list[
     assert config == RecoverConfig(grad_accum=2, rejoin=RejoinConfig(enabled=True, standbys=2, hosts="node7"))
 
 
+def test_the_short_switch_never_drops_section_overrides_silently() -> None:
+    # Hydra turns recover.rejoin=true into a bool in place of the section: recover.rejoin.standbys=2
+    # given before it would be gone, so the run refuses that pair (pretrain reads the run's overrides).
+    raw = {"rejoin": True}
+    with pytest.raises(ConfigurationError, match=re.escape(
+        "recover.rejoin=true replaces the whole recover.rejoin section, so recover.rejoin.standbys=2 would be lost; "
+        "write recover.rejoin.enabled=true instead of recover.rejoin=true"
+    )):
+        pretrain.refuse_replaced_section(raw, ["recover.rejoin.standbys=2", "recover.rejoin=true"])
+    pretrain.refuse_replaced_section(raw, ["recover.rejoin=true", "+recover.rejoin_standbys=2"])  # the short forms together
+    pretrain.refuse_replaced_section({"rejoin": {"enabled": True}}, ["recover.rejoin.enabled=true", "recover.rejoin.standbys=2"])
+
+
 @pytest.mark.parametrize(
     ("override", "needles"),
     [
