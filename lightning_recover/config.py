@@ -10,11 +10,14 @@ checks (:class:`SDCConfig`, ``recover.sdc``) and hot re-join (:class:`RejoinConf
 ``recover.rejoin``).
 
 Every section also has a *short form*, flat keywords such as ``checkpoint_dir=...`` or
-``rejoin_standbys=2`` (:data:`SHORT_FORMS`), which the builders (:meth:`RecoverConfig.build`,
-``from_arguments``, ``from_mapping``, :func:`fold_short_forms`) put into their section, and
-``rejoin=True`` / ``rejoin=False``, which means ``RejoinConfig(enabled=...)`` (the dataclass
-itself takes it too). :class:`RecoverSettings` types every keyword ReCoVerHSDPStrategy takes,
-so an IDE or a type checker flags a misspelt one as the run-time check does.
+``rejoin_standbys=2`` (:data:`SHORT_FORMS`), which the strategy's keywords
+(:meth:`RecoverConfig.build`, ``from_arguments``) put into their section. Re-join's short
+form, its settings' spelling before they became a section, is also read from mappings
+(``from_mapping``, :func:`fold_short_forms`: YAML or dicts written with the flat keys build
+the same config), and ``rejoin=True`` / ``rejoin=False`` means ``RejoinConfig(enabled=...)``
+everywhere, the dataclass included. :class:`RecoverSettings` types every keyword
+ReCoVerHSDPStrategy takes, so an IDE or a type checker flags a misspelt one as the run-time
+check does.
 
 A bad value is refused when the object is built, with a :class:`ConfigurationError` whose one
 line names the value as the Hydra example spells it (``recover.<field>=<value>``) and the
