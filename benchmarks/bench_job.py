@@ -79,7 +79,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--corpus-bytes", type=int, default=2_000_000)
     ap.add_argument("--faults", default="[]", help="recover/adaptive: FaultInjection schedule (JSON list)")
     ap.add_argument("--rejoin", action="store_true", help="recover: hot re-join (replacements for lost replicas)")
-    ap.add_argument("--rejoin-standbys", type=int, default=0, help="recover: recover.rejoin_standbys (warm standbys)")
+    ap.add_argument("--rejoin-standbys", type=int, default=0, help="recover: recover.rejoin.standbys (warm standbys)")
     ap.add_argument("--salvage", action="store_true", help="recover: recover.salvage (a broken replica's live ranks wait as orphans)")
     ap.add_argument("--sdc-every", type=int, default=0, help="recover: silent-data-corruption check every N steps (0 = off)")
     ap.add_argument("--bucket-mb", type=float, default=None, help="recover: recover.bucket_mb (default: the strategy's)")

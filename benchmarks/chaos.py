@@ -34,7 +34,7 @@ With ``--standbys N`` as well, the leader keeps N warm standbys, so the replacem
 the faults drawn for them) are standbys seated on the lost replicas. A seat keeps the
 attempt number of the next attempt the survivors start, so a ``join_startup`` fault fires
 in every standby seated for it, like a node on which every replacement dies at start-up:
-after ``rejoin_attempts`` such deaths in a row the job falls back to cold spawns.
+after ``rejoin.attempts`` such deaths in a row the job falls back to cold spawns.
 
 With ``--hosts N`` (N >= 2, root: fake hosts in network namespaces,
 :mod:`benchmarks.rigs.fake_cluster`) every run goes onto up to N fake hosts
@@ -742,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="recover.salvage on, replicas of 2 shards: a broken replica's live ranks wait as orphans (needs --steps >= 30; "
                     "with --hosts N >= 3 and --steps >= 20, re-join on and the orphan's spawned rank on the spare host)")
     ap.add_argument("--standbys", type=int, default=0, metavar="N",
-                    help="with --joins: N warm standbys (recover.rejoin_standbys); the replacements, and their faults, come from them")
+                    help="with --joins: N warm standbys (recover.rejoin.standbys); the replacements, and their faults, come from them")
     ap.add_argument("--hosts", type=int, default=0, metavar="N",
                     help="run on N >= 2 fake hosts (root) with one host fault per run, mixed with rank faults (module docstring)")
     ap.add_argument("--two-host-faults", type=float, default=0.0, metavar="P",

@@ -11,7 +11,7 @@ for ``--steps`` committed optimizer steps, and loses the same replicas at the sa
 
 * ``recover`` / ``recover-rejoin``: ReCoVerHSDPStrategy in one ``lightning-recover launch``
   job (``benchmarks/bench_job.py --system recover``), without and with hot re-join; with
-  re-join the leader keeps ``--standbys`` warm standbys (``recover.rejoin_standbys``,
+  re-join the leader keeps ``--standbys`` warm standbys (``recover.rejoin.standbys``,
   default 2: one per planned kill); ``recover-rejoin-cold`` spawns the replacements cold
   after each loss (no standbys), as re-join did before standbys existed.
 * ``torchft`` / ``torchft-<ms>``: torchft as its README and ``train_ddp.py`` run it: the Rust
@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torchft-low: ProcessGroupGloo timeout, s (5 s otherwise): a survivor whose all-reduce waits "
                         "on the dead group is held this long whatever the heartbeat says")
     p.add_argument("--standbys", type=int, default=2,
-                   help="recover-rejoin: recover.rejoin_standbys, warm standbys kept ahead of the kills (0 = cold spawns)")
+                   help="recover-rejoin: recover.rejoin.standbys, warm standbys kept ahead of the kills (0 = cold spawns)")
     p.add_argument("--data-plane", default="mpi", choices=["mpi", "gloo"],
                    help="recover*: recover.data_plane, what carries the cross-replica gradient buckets")
     p.add_argument("--cr-every", type=int, default=10, help="cr: checkpoint every N steps")

@@ -41,7 +41,7 @@ from omegaconf.errors import InterpolationResolutionError, OmegaConfBaseExceptio
 
 # Light imports only: configuration mistakes are reported before torch and Lightning load
 # (seconds per rank). Heavy modules are imported in train().
-from lightning_recover.config import ConfigurationError, RecoverConfig
+from lightning_recover.config import ConfigurationError, RecoverConfig, fold_short_forms
 
 EXAMPLES = Path(__file__).resolve().parent
 sys.path.insert(0, str(EXAMPLES))
@@ -241,9 +241,11 @@ def recover_schema() -> DictConfig:
 def recover_config(cfg: DictConfig) -> RecoverConfig:
     """The ``recover`` group (and the top-level ``seed``) as one validated RecoverConfig.
 
-    The values are resolved, merged into :func:`recover_schema` (typing them: a quoted
-    number becomes a number, an unknown key is refused) and turned into the frozen
-    dataclass, whose ``__post_init__`` checks every field.
+    The values are resolved, their short forms put into their section (``recover.rejoin=true``
+    is ``recover.rejoin.enabled=true``; ``+recover.rejoin_standbys=2``, or ``rejoin_standbys: 2``
+    in a group file written before the section, is ``recover.rejoin.standbys=2``), merged into
+    :func:`recover_schema` (typing them: a quoted number becomes a number, an unknown key is
+    refused) and turned into the frozen dataclass, whose ``__post_init__`` checks every field.
     """
     try:
         raw = OmegaConf.to_container(cfg.recover, resolve=True)
@@ -257,8 +259,14 @@ def recover_config(cfg: DictConfig) -> RecoverConfig:
     if "seed" in raw:
         raise ConfigurationError(f"recover.seed={raw['seed']!r} is not a setting here: the top-level seed seeds everything; use seed=N")
     raw["seed"] = cfg.seed
-    if raw.get("checkpoint", {}) is None:
-        del raw["checkpoint"]  # recover.checkpoint=null: no checkpoints, as the defaults
+    for section in ("checkpoint", "rejoin"):
+        if raw.get(section, {}) is None:
+            del raw[section]  # recover.checkpoint=null, recover.rejoin=null: the section's defaults (off)
+    # The schema types recover.rejoin as the section, so its short forms are folded in first. The YAML
+    # spells the whole section, so a flat key the user added overrides the section's value.
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    refuse_replaced_section(raw, overrides)
+    raw = fold_short_forms(raw, flat_over_section=True)
     try:
         config = OmegaConf.to_object(OmegaConf.merge(recover_schema(), raw))
     except OmegaConfBaseException as exc:
@@ -267,10 +275,33 @@ def recover_config(cfg: DictConfig) -> RecoverConfig:
     return config
 
 
+def refuse_replaced_section(raw: dict[str, Any], overrides: list[str]) -> None:
+    """Refuse ``recover.rejoin=true`` given with ``recover.rejoin.<key>=...`` overrides.
+
+    Hydra applies the short form by replacing the group's whole ``rejoin`` section with the
+    bool, so a ``recover.rejoin.standbys=2`` before it would be dropped without a word (and
+    one after it is refused by Hydra itself). ``overrides`` are the run's command-line
+    overrides (``hydra.overrides.task``).
+    """
+    switch = raw.get("rejoin")
+    if not isinstance(switch, bool):
+        return
+    lost = [o for o in overrides if o.lstrip("+~").startswith("recover.rejoin.")]
+    if lost:
+        word = str(switch).lower()
+        raise ConfigurationError(
+            f"recover.rejoin={word} replaces the whole recover.rejoin section, so {lost[0]} would be lost; "
+            f"write recover.rejoin.enabled={word} instead of recover.rejoin={word}"
+        )
+
+
 def _schema_error(exc: OmegaConfBaseException, raw: dict[str, Any]) -> ConfigurationError:
     """OmegaConf's refusal of one value, in RecoverConfig's words (its message spans lines, names no fix)."""
     key = str(getattr(exc, "full_key", "") or "")
     path = key.split(".") if key else []
+    if not path:
+        # A section given a plain value (recover.rejoin=maybe) fails the merge with no key named.
+        path = [name for name in ("checkpoint", "sdc", "rejoin") if name in raw and not isinstance(raw[name], dict)][:1]
     if path:
         # The refused value alone (e.g. {"checkpoint": {"every_n_steps": "x"}}), so that
         # RecoverConfig's check of that very field words the error.

@@ -4,8 +4,20 @@ The strategy and the Hydra example take their knobs as one frozen :class:`Recove
 the layout (``shards``), the constant batch (``target_replicas`` T and ``grad_accum``
 G_init, B = T * G_init), the workload ``policy`` and its stop rule (``min_replicas``), the
 reduction's ``bucket_mb``, the step ledger, the seed of the sample order, the replica-local
-group's timeout, the watchdog's hang and stuck timeouts, and the fallback checkpoints
-(:class:`CheckpointConfig`).
+group's timeout, the watchdog's hang and stuck timeouts, and three sections: the fallback
+checkpoints (:class:`CheckpointConfig`, ``recover.checkpoint``), the silent-data-corruption
+checks (:class:`SDCConfig`, ``recover.sdc``) and hot re-join (:class:`RejoinConfig`,
+``recover.rejoin``).
+
+Every section also has a *short form*, flat keywords such as ``checkpoint_dir=...`` or
+``rejoin_standbys=2`` (:data:`SHORT_FORMS`), which the strategy's keywords
+(:meth:`RecoverConfig.build`, ``from_arguments``) put into their section. Re-join's short
+form, its settings' spelling before they became a section, is also read from mappings
+(``from_mapping``, :func:`fold_short_forms`: YAML or dicts written with the flat keys build
+the same config), and ``rejoin=True`` / ``rejoin=False`` means ``RejoinConfig(enabled=...)``
+everywhere, the dataclass included. :class:`RecoverSettings` types every keyword
+ReCoVerHSDPStrategy takes, so an IDE or a type checker flags a misspelt one as the run-time
+check does.
 
 A bad value is refused when the object is built, with a :class:`ConfigurationError` whose one
 line names the value as the Hydra example spells it (``recover.<field>=<value>``) and the
@@ -26,11 +38,19 @@ import difflib
 import math
 import operator
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypedDict
 
 from lightning_recover.errors import RecoverError
+
+# typing's own Unpack from 3.11 keeps this module free of third-party imports there; type checkers
+# read the version check, and typing_extensions (a dependency of torch) serves 3.10.
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pragma: no cover - the venv runs 3.11
+    from typing_extensions import Unpack
 
 __all__ = [
     "DATA_PLANES",
@@ -39,7 +59,11 @@ __all__ = [
     "CheckpointConfig",
     "ConfigurationError",
     "RecoverConfig",
+    "RecoverSettings",
+    "RejoinConfig",
     "SDCConfig",
+    "SHORT_FORMS",
+    "fold_short_forms",
 ]
 
 # Workload policies by config name (built by lightning_recover.workload.factory.make_policy).
@@ -224,6 +248,71 @@ class SDCConfig:
         return self.every_n_steps > 0
 
 
+# ---------------------------------------------------------------------- hot re-join
+@dataclass(frozen=True)
+class RejoinConfig:
+    """Hot re-join (``recover.rejoin``; :mod:`lightning_recover.membership.recruiter`).
+
+    After losing replicas the job spawns replacements (the same interpreter and argv) up to
+    the replica count it started with; they receive the live state and take work back.
+    ``RecoverConfig(rejoin=True)`` is short for ``RejoinConfig(enabled=True)``, and the flat
+    keys ``rejoin_hosts``, ``rejoin_standbys``, ... of the strategy and of a mapping are short
+    for this section's ``hosts``, ``standbys``, ... (:func:`fold_short_forms`).
+
+    Attributes:
+        enabled: spawn replacements for lost replicas. Off by default.
+        hosts: comma-separated hosts the replacements are placed on (Open MPI's ``host``
+            spawn key, ``host:slots`` allowed); None = the placement rule of
+            :mod:`lightning_recover.membership.placement` (the launcher's spare hosts, then
+            its hosts with free slots, else the launch's hosts oversubscribed).
+        attempts: spawn attempts per lost replica before the job carries on without.
+        backoff_s: wait after a failed attempt before the next (doubling each time).
+        timeout_s: a replacement not ready to join this long after its spawn was started is
+            given up (it exits by itself; the attempt counts as failed).
+        standbys: warm standbys the leader keeps (with ``enabled``): replica-sized groups of
+            processes spawned ahead of any loss, which imported torch and Lightning and sleep
+            until a replica is lost; one then runs the script as the lost replica's ranks at
+            once. Each costs a process per shard (its memory, no core while it waits) for the
+            whole run. 0 = replacements are spawned cold after a loss.
+        standbys_wait_s: with ``standbys``, the first step waits until the standbys are warm,
+            at most this long, so a loss in the first steps already finds one ready (a standby
+            that dies or fails to spawn ends the wait for it). 0 = the first step starts at
+            once and the standbys warm up beside the training.
+    """
+
+    enabled: bool = False
+    hosts: str | None = None
+    attempts: int = 3
+    backoff_s: float = 5.0
+    timeout_s: float = 120.0
+    standbys: int = 0
+    standbys_wait_s: float = 60.0
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> RejoinConfig:
+        # Before the dataclass's __init__, whose refusal of an unknown keyword is a bare TypeError.
+        _refuse_unknown_keywords(cls, kwargs, "recover.rejoin")
+        return super().__new__(cls)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise _refuse("rejoin.enabled", self.enabled, "true or false",
+                          "set recover.rejoin.enabled=true to spawn replacements, false not to")
+        if self.hosts is not None and (not isinstance(self.hosts, str) or not self.hosts.strip()):
+            raise _refuse("rejoin.hosts", self.hosts, "a comma-separated host list",
+                          "e.g. recover.rejoin.hosts=node7,node8 (null: the launch's hosts)")
+        _set(self, "attempts", _integer("rejoin.attempts", self.attempts, 1, "set recover.rejoin.attempts to a positive integer"))
+        _set(self, "standbys", _integer("rejoin.standbys", self.standbys, 0,
+                                        "set recover.rejoin.standbys to the warm standbys to keep (0 = none)"))
+        for key, positive, fix in (
+            ("backoff_s", False, "set recover.rejoin.backoff_s to the seconds between spawn attempts"),
+            ("timeout_s", True, "set recover.rejoin.timeout_s to the seconds a replacement may take to start"),
+            ("standbys_wait_s", False, "set recover.rejoin.standbys_wait_s to the seconds the first step may wait for "
+                                       "the standbys to be warm (0 = not at all)"),
+        ):
+            _set(self, key, _number(f"rejoin.{key}", getattr(self, key), fix, positive=positive, finite=True,
+                                    requirement="a number of seconds"))
+
+
 # ---------------------------------------------------------------------- the protocol's settings
 @dataclass(frozen=True)
 class RecoverConfig:
@@ -266,27 +355,9 @@ class RecoverConfig:
             this long. None = the hang timeout; 0 = off. See :meth:`watchdog_timeouts`.
         checkpoint: the fallback checkpoints (:class:`CheckpointConfig`).
         sdc: the silent-data-corruption checks (:class:`SDCConfig`).
-        rejoin: hot re-join (:mod:`lightning_recover.membership.recruiter`): after losing replicas the
-            job spawns replacements (the same interpreter and argv) up to the replica count
-            it started with; they receive the live state and take work back. Off by default.
-        rejoin_hosts: comma-separated hosts the replacements are placed on (Open MPI's
-            ``host`` spawn key, ``host:slots`` allowed); None = the placement rule of
-            :mod:`lightning_recover.membership.placement` (the launcher's spare hosts, then
-            its hosts with free slots, else the launch's hosts oversubscribed).
-        rejoin_attempts: spawn attempts per lost replica before the job carries on without.
-        rejoin_backoff_s: wait after a failed attempt before the next (doubling each time).
-        rejoin_timeout_s: a replacement not ready to join this long after its spawn was
-            started is given up (it exits by itself; the attempt counts as failed).
-        rejoin_standbys: warm standbys the leader keeps (with ``rejoin``): replica-sized
-            groups of processes spawned ahead of any loss, which imported torch and
-            Lightning and sleep until a replica is lost; one then runs the script as the
-            lost replica's ranks at once. Each costs a process per shard (its memory, no
-            core while it waits) for the whole run. 0 = replacements are spawned cold
-            after a loss.
-        rejoin_standbys_wait_s: with ``rejoin_standbys``, the first step waits until the
-            standbys are warm, at most this long, so a loss in the first steps already finds
-            one ready (a standby that dies or fails to spawn ends the wait for it). 0 = the
-            first step starts at once and the standbys warm up beside the training.
+        rejoin: hot re-join (:class:`RejoinConfig`): after losing replicas the job spawns
+            replacements up to the replica count it started with. ``True``/``False`` is short
+            for ``RejoinConfig(enabled=...)``; a mapping is the section's settings.
         salvage: the live ranks of a replica that lost a rank wait as *orphans* instead of
             leaving; at a step boundary orphans whose shard indices complete one another are
             seated again as a whole replica (no process spawned; docs/salvage.md). Off by
@@ -318,13 +389,7 @@ class RecoverConfig:
     stuck_timeout_s: float | None = None
     checkpoint: CheckpointConfig = CheckpointConfig()
     sdc: SDCConfig = SDCConfig()
-    rejoin: bool = False
-    rejoin_hosts: str | None = None
-    rejoin_attempts: int = 3
-    rejoin_backoff_s: float = 5.0
-    rejoin_timeout_s: float = 120.0
-    rejoin_standbys: int = 0
-    rejoin_standbys_wait_s: float = 60.0
+    rejoin: RejoinConfig = RejoinConfig()
     salvage: bool = False
     salvage_wait_s: float = 300.0
     overlap: bool = True
@@ -333,6 +398,16 @@ class RecoverConfig:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> RecoverConfig:
         # Before the dataclass's __init__, whose refusal of an unknown keyword is a bare TypeError.
+        short = sorted(key for key in kwargs if key in SHORT_FORMS)
+        if short:
+            # The constructor keeps to the fields (what its dataclass signature, and so an IDE, shows);
+            # the short forms belong to the builders. Say both spellings rather than "not a setting".
+            group, name = short[0].split("_", 1)
+            raise ConfigurationError(
+                f"recover.{short[0]} is a short form that RecoverConfig(...) does not take; write "
+                f"{group}={{{name!r}: ...}} (recover.{group}.{name}), or pass {short[0]}=... to "
+                "RecoverConfig.build(...) or ReCoVerHSDPStrategy(...)"
+            )
         _refuse_unknown_keywords(cls, kwargs, "recover")
         return super().__new__(cls)
 
@@ -403,33 +478,23 @@ class RecoverConfig:
             ))
 
     def _check_recovery(self) -> None:
-        """The switches, re-join and salvage."""
+        """The switches and salvage (re-join is a section: :meth:`_check_groups`)."""
         for key, what in (("overlap", "overlap the reduction with backward"), ("sync_every_microbatch", "reduce-scatter after every microbatch"),
                           ("salvage", "keep a broken replica's live ranks as orphans")):
             if not isinstance(getattr(self, key), bool):
                 raise _refuse(key, getattr(self, key), "true or false", f"set recover.{key}=true to {what}, false not to")
-        if not isinstance(self.rejoin, bool):
-            raise _refuse("rejoin", self.rejoin, "true or false", "set recover.rejoin=true to spawn replacements, false not to")
-        if self.rejoin_hosts is not None and (not isinstance(self.rejoin_hosts, str) or not self.rejoin_hosts.strip()):
-            raise _refuse("rejoin_hosts", self.rejoin_hosts, "a comma-separated host list", "e.g. recover.rejoin_hosts=node7,node8 (null: the launch's hosts)")
-        _set(self, "rejoin_attempts", _integer("rejoin_attempts", self.rejoin_attempts, 1, "set recover.rejoin_attempts to a positive integer"))
-        _set(self, "rejoin_standbys", _integer("rejoin_standbys", self.rejoin_standbys, 0,
-                                               "set recover.rejoin_standbys to the warm standbys to keep (0 = none)"))
-        for key, fix in (
-            ("rejoin_backoff_s", "set recover.rejoin_backoff_s to the seconds between spawn attempts"),
-            ("rejoin_timeout_s", "set recover.rejoin_timeout_s to the seconds a replacement may take to start"),
-            ("rejoin_standbys_wait_s", "set recover.rejoin_standbys_wait_s to the seconds the first step may wait for "
-                                       "the standbys to be warm (0 = not at all)"),
-            ("salvage_wait_s", "set recover.salvage_wait_s to the seconds an orphan waits for its seat"),
-        ):
-            _set(self, key, _number(key, getattr(self, key), fix, positive=key in ("rejoin_timeout_s", "salvage_wait_s"),
-                                    finite=True, requirement="a number of seconds"))
+        salvage_fix = "set recover.salvage_wait_s to the seconds an orphan waits for its seat"
+        _set(self, "salvage_wait_s", _number("salvage_wait_s", self.salvage_wait_s, salvage_fix, positive=True, finite=True,
+                                             requirement="a number of seconds"))
 
     def _check_groups(self) -> None:
-        """The sdc and checkpoint sections (a mapping is the section's settings)."""
+        """The sdc, checkpoint and rejoin sections (a mapping is the section's settings, ``rejoin=True`` its short form)."""
         # A mapping (a dict, or OmegaConf's DictConfig when Hydra's instantiate builds this class) is the group's settings.
         _set(self, "sdc", _group("sdc", self.sdc, SDCConfig))
         _set(self, "checkpoint", _group("checkpoint", self.checkpoint, CheckpointConfig))
+        # rejoin=True/False predates the section: a bool is its switch, the rest at their defaults.
+        rejoin = RejoinConfig(enabled=self.rejoin) if isinstance(self.rejoin, bool) else self.rejoin
+        _set(self, "rejoin", _group("rejoin", rejoin, RejoinConfig))
         if not isinstance(self.sdc, SDCConfig):
             raise ConfigurationError(
                 f"recover.sdc={self.sdc!r} is not an SDCConfig; pass SDCConfig(every_n_steps=..., action=...) "
@@ -440,36 +505,46 @@ class RecoverConfig:
                 f"recover.checkpoint={self.checkpoint!r} is not a CheckpointConfig; pass CheckpointConfig(dir=..., every_n_steps=...) "
                 "or a mapping of those settings (recover.checkpoint.dir, recover.checkpoint.every_n_steps)"
             )
+        if not isinstance(self.rejoin, RejoinConfig):
+            raise ConfigurationError(
+                f"recover.rejoin={self.rejoin!r} is not a RejoinConfig; pass rejoin=True/False, RejoinConfig(enabled=..., "
+                "standbys=...) or a mapping of those settings (recover.rejoin.enabled, recover.rejoin.standbys, ...)"
+            )
 
     # ------------------------------------------------------------------ builders
     @classmethod
     def from_mapping(cls, settings: Mapping[str, Any]) -> RecoverConfig:
         """Build from plain data (YAML, JSON, an OmegaConf ``DictConfig`` or its resolved container).
 
-        ``checkpoint`` and ``sdc`` may be mappings (or None for the defaults). Unknown keys are
+        ``checkpoint``, ``sdc`` and ``rejoin`` may be mappings (or None for the defaults);
+        ``rejoin`` may also be a bool, and the flat ``rejoin_*`` keys stand for the rejoin
+        section's (:func:`fold_short_forms`), so a mapping written before the section existed,
+        e.g. ``dataclasses.asdict`` of an older RecoverConfig, still builds. Unknown keys are
         refused by name, so a typo never silently falls back to a default.
         """
         if not isinstance(settings, Mapping):
             raise ConfigurationError(f"recover={settings!r} is not a mapping of settings; known: {', '.join(_names(cls))}")
-        values = _plain("recover", settings, _names(cls))
-        groups = {key: _group(key, values.pop(key, None), group) for key, group in (("checkpoint", CheckpointConfig), ("sdc", SDCConfig))}
+        values = fold_short_forms(_plain("recover", settings, [*_names(cls), *_REJOIN_SHORT]))
+        groups = {key: _group(key, values.pop(key, None), group)
+                  for key, group in (("checkpoint", CheckpointConfig), ("sdc", SDCConfig), ("rejoin", RejoinConfig))}
         return cls(**values, **groups)
 
     @classmethod
-    def from_arguments(cls, **settings: Any) -> RecoverConfig:
-        """Build from ReCoVerHSDPStrategy's keyword arguments.
+    def from_arguments(cls, **settings: Unpack[RecoverSettings]) -> RecoverConfig:
+        """Build from ReCoVerHSDPStrategy's keyword arguments (typed by :class:`RecoverSettings`).
 
         Every field is a keyword. The groups come either nested (``checkpoint={"dir": ...,
         "every_n_steps": ...}`` or a :class:`CheckpointConfig`, ``sdc={...}`` or an
-        :class:`SDCConfig`: Hydra's ``instantiate`` of a YAML group) or flat
+        :class:`SDCConfig`, ``rejoin={...}`` or a :class:`RejoinConfig`: Hydra's
+        ``instantiate`` of a YAML group) or flat, the short forms of :data:`SHORT_FORMS`
         (``checkpoint_dir``/``checkpoint_every_n_steps``/``checkpoint_async_save``/
-        ``checkpoint_consolidate``, ``sdc_every_n_steps``/``sdc_action``), not both. Unlike
-        the Hydra group, where a directory with period 0 only names where to resume from, a
-        flat ``checkpoint_dir`` asks for checkpoints, so it needs a period >= 1. An unknown
-        keyword is refused by name, with the nearest known one.
+        ``checkpoint_consolidate``, ``sdc_every_n_steps``/``sdc_action``, ``rejoin=True`` with
+        ``rejoin_hosts``/``rejoin_standbys``/...), not both. Unlike the Hydra group, where a
+        directory with period 0 only names where to resume from, a flat ``checkpoint_dir`` asks
+        for checkpoints, so it needs a period >= 1. An unknown keyword is refused by name, with
+        the nearest known one.
         """
-        known = [*_names(cls), *(f"{group}_{name}" for group, names in _FLAT.items() for name in names)]
-        values = _plain("", settings, known)
+        values = fold_short_forms(_plain("", settings, [*_names(cls), *SHORT_FORMS]))
         flat = {group: {name: values.pop(f"{group}_{name}") for name in names if f"{group}_{name}" in values} for group, names in _FLAT.items()}
         for group, given in flat.items():
             if given and values.get(group) is not None:
@@ -494,7 +569,7 @@ class RecoverConfig:
         return cls(**values)
 
     @classmethod
-    def build(cls, config: Any = None, **settings: Any) -> RecoverConfig:
+    def build(cls, config: RecoverConfig | Mapping[str, Any] | None = None, **settings: Unpack[RecoverSettings]) -> RecoverConfig:
         """The settings ReCoVerHSDPStrategy was given: ``config`` (a RecoverConfig, or a mapping of its
         fields such as a dict or a DictConfig) or keyword settings (:meth:`from_arguments`), not both."""
         if config is None:
@@ -587,6 +662,90 @@ _FLAT: dict[str, tuple[str, ...]] = {
     "checkpoint": ("dir", "every_n_steps", "async_save", "consolidate"),
     "sdc": ("every_n_steps", "action"),
 }
+#: The flat keys of the rejoin section: ``rejoin_standbys`` is ``rejoin.standbys``. Apart from ``_FLAT``
+#: because ``rejoin`` itself, unlike ``checkpoint`` and ``sdc``, has a short form (the bool switch)
+#: that goes with them, and because mappings (YAML written before the section) take them as well.
+_REJOIN_SHORT: tuple[str, ...] = tuple(f"rejoin_{f.name}" for f in fields(RejoinConfig) if f.name != "enabled")
+
+#: Every flat keyword the strategy (:meth:`RecoverConfig.build`) takes besides the fields: the short
+#: forms of the sections. :class:`RecoverSettings` types each; a test keeps the two in step.
+SHORT_FORMS: tuple[str, ...] = (*(f"{group}_{name}" for group, names in _FLAT.items() for name in names), *_REJOIN_SHORT)
+
+
+def fold_short_forms(settings: Mapping[str, Any], *, flat_over_section: bool = False) -> dict[str, Any]:
+    """``settings`` with the rejoin section's short forms put into ``rejoin`` (the other keys as given).
+
+    ``rejoin=True``/``False`` becomes ``{"enabled": ...}`` and the flat ``rejoin_<name>`` keys
+    become that section's ``<name>``; given with a section spelled out (a mapping or a
+    RejoinConfig) they are refused as ambiguous, unless ``flat_over_section``: then the section
+    holds defaults the flat keys override (a Hydra group, whose YAML spells every key of the
+    section while a user adds ``+recover.rejoin_standbys=2``).
+    """
+    values = dict(settings)
+    flat = {key[len("rejoin_"):]: values.pop(key) for key in _REJOIN_SHORT if key in values}
+    section = values.get("rejoin")
+    if isinstance(section, bool):
+        values["rejoin"] = {"enabled": section, **flat}
+    elif flat:
+        if section is None:
+            values["rejoin"] = flat
+        elif flat_over_section and isinstance(section, Mapping):
+            values["rejoin"] = {**section, **flat}
+        else:
+            keywords = ", ".join(f"rejoin_{name}" for name in flat)
+            raise ConfigurationError(
+                f"both rejoin=... and {keywords} set recover.rejoin; pass the section once: either "
+                f"rejoin={{{', '.join(f'{n!r}: ...' for n in flat)}}} or rejoin=True/False with the flat rejoin_* keywords"
+            )
+    return values
+
+
+class RecoverSettings(TypedDict, total=False):
+    """The keyword settings of ReCoVerHSDPStrategy (and :meth:`RecoverConfig.build`), typed.
+
+    ``**settings: Unpack[RecoverSettings]`` lets an IDE or a type checker refuse a misspelt
+    keyword (and a value of the wrong type) before the run; :class:`RecoverConfig` refuses both
+    at run time in any case. The keys are the RecoverConfig fields, each typed as the field plus
+    what the builders also accept for it (a path-like for a path, a mapping or None for a
+    section, a bool for ``rejoin``), and the short forms of :data:`SHORT_FORMS`. See
+    :class:`RecoverConfig` for what each means; ``tests/launched/test_config.py`` keeps the
+    keys equal to the fields plus the short forms.
+    """
+
+    shards: int
+    grad_accum: int
+    target_replicas: int | None
+    policy: str
+    min_replicas: int
+    bucket_mb: float
+    data_plane: str
+    replica_plane: str
+    ledger_path: str | os.PathLike[str] | None
+    seed: int
+    timeout_s: float
+    hang_timeout_s: float | None
+    stuck_timeout_s: float | None
+    checkpoint: CheckpointConfig | Mapping[str, Any] | None
+    sdc: SDCConfig | Mapping[str, Any] | None
+    rejoin: RejoinConfig | bool | Mapping[str, Any] | None
+    salvage: bool
+    salvage_wait_s: float
+    overlap: bool
+    sync_every_microbatch: bool
+    tensor_parallel: int
+    # The short forms (SHORT_FORMS) of the sections.
+    checkpoint_dir: str | os.PathLike[str] | None
+    checkpoint_every_n_steps: int
+    checkpoint_async_save: bool
+    checkpoint_consolidate: bool
+    sdc_every_n_steps: int
+    sdc_action: str
+    rejoin_hosts: str | None
+    rejoin_attempts: int
+    rejoin_backoff_s: float
+    rejoin_timeout_s: float
+    rejoin_standbys: int
+    rejoin_standbys_wait_s: float
 
 
 def _group(key: str, value: Any, group: type) -> Any:

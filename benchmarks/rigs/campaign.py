@@ -62,7 +62,7 @@ class ChaosRun:
     rejoin: bool = False
     #: ``recover.salvage``: a broken replica's live ranks wait as orphans (``--salvage``).
     salvage: bool = False
-    #: Warm standbys kept with ``rejoin`` (``recover.rejoin_standbys``; a campaign setting, never drawn).
+    #: Warm standbys kept with ``rejoin`` (``recover.rejoin.standbys``; a campaign setting, never drawn).
     standbys: int = 0
     #: Fake hosts the run uses (0: this machine, no fake hosts) and MPI slots on each.
     hosts: int = 0

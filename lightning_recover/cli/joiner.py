@@ -18,7 +18,7 @@ alone, imports the strategy and the installed packages the script imports at its
 (:func:`installed_imports`; never the user's own modules), tells the leader it is warm and
 sleeps until it gets a seat -- then it runs the script exactly as a replacement does, merged
 with the survivors only once its script reached admission -- or ``quit`` (training ended).
-Its start-up is bounded by ``rejoin_timeout_s`` like a replacement's; once the leader heard
+Its start-up is bounded by ``rejoin.timeout_s`` like a replacement's; once the leader heard
 that it is warm it has no timer (a job may never lose a replica): it leaves when the leader
 that spawned it is gone (an MPI error on the link, or the leader's pid gone from this host;
 a leader on another host that dies unreported leaves its standby waiting).
@@ -49,7 +49,7 @@ reliably tell the survivors about a spawned process that exited with a non-zero 
 two in one attempt, only one ever reached them; see also :mod:`lightning_recover.runtime.lifecycle`),
 while a killed one is an ordinary process failure,
 and the survivors drop the attempt at their next step boundary instead of after
-``rejoin_timeout_s``. (The survivors never wait on an unreported death either; this only
+``rejoin.timeout_s``. (The survivors never wait on an unreported death either; this only
 makes the drop prompt.) After admission the script's exit is the script's.
 """
 

@@ -53,7 +53,7 @@ RECOVERABLE_SPAWNS = ("--prtemca", "state_base_recoverable", "1")
 #: after a peer's death segfaulted in ``mca_coll_han_comm_create``. ``coll/cuda`` wraps it on CUDA builds. han disqualifies
 #: itself on a communicator of one host, so leaving it out costs a single-host job nothing,
 #: and it is left out always: a job started on one host spans hosts once replacements are
-#: spawned on a spare one (recover.rejoin_hosts), and spawned ranks inherit these settings.
+#: spawned on a spare one (recover.rejoin.hosts), and spawned ranks inherit these settings.
 SAFE_COLL = ("--mca", "coll", "^han,cuda")
 #: Open MPI's environment form of ``--mca coll``: a user who sets it chose the components.
 ENV_COLL = "OMPI_MCA_coll"

@@ -65,7 +65,7 @@ def disarm() -> None:
 
 def restart_timer() -> None:
     """A standby's replacement asks to be merged again (its attempt was dropped by the survivors'
-    repair): it gets the full ``rejoin_timeout_s`` again."""
+    repair): it gets the full ``rejoin.timeout_s`` again."""
     if _timer_args is not None and not _admitted.is_set():
         leave_after(*_timer_args)
 

@@ -9,7 +9,7 @@ catch it -- and reaches the crash hook, where :func:`handle` takes over:
    (not seated by then: it leaves through the replica-consistency gate, as it would have);
 2. seated, it builds its re-formation's communicator, spawns the ranks no orphan fills (re-join
    on), connects to the survivors and merges
-   (:func:`~lightning_recover.comm.orphans.connect_orphans`), within ``rejoin_timeout_s`` like any
+   (:func:`~lightning_recover.comm.orphans.connect_orphans`), within ``rejoin.timeout_s`` like any
    replacement;
 3. it runs the user's script again, as a replacement of its seat
    (:func:`~lightning_recover.membership.replacement.run_seat`): the model and the Trainer are
@@ -91,7 +91,7 @@ def _seat(lobby: Lobby, rank: int, wait_s: float) -> tuple[Seat, OrphanSeat, Any
     # From its seat on it is bounded like any replacement: a mate, a rank it spawns or the survivors may
     # die unreported and leave it in a connect or a spawn that never returns.
     admission_timer.leave_after(float(seat.context.get("timeout_s", 120.0)), f"for rank {msg.rank} (orphan rank {rank})",
-                                leave=lambda why: lifecycle.gate_exit(rank, f"a seated orphan {why} (recover.rejoin_timeout_s)"))
+                                leave=lambda why: lifecycle.gate_exit(rank, f"a seated orphan {why} (recover.rejoin.timeout_s)"))
     connected = connect_orphans(msg)
     if connected is None:
         lifecycle.gate_exit(rank, "an orphan whose re-formed replica could not be merged (a mate or the survivors failed)")

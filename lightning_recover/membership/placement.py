@@ -3,7 +3,7 @@
 A lost replica's replacement (a cold spawn or a warm standby) is placed by Open MPI's
 ``host`` spawn key, which this module computes:
 
-1. ``recover.rejoin_hosts`` when the user set it: their hosts, as given.
+1. ``recover.rejoin.hosts`` when the user set it: their hosts, as given.
 2. Else the hosts the launcher found free slots on (``lightning-recover launch`` exports them
    in :data:`~lightning_recover.runtime.markers.ENV_SPARE_HOSTS`): **spare hosts first** (hosts
    of the launch that run none of its ranks, so a replacement never lands beside the ranks
@@ -55,7 +55,7 @@ def _rotate(hosts: str, by: int) -> str:
 
 
 def spawn_placement(configured: str | None, spare: str | None, failed_attempts: int) -> SpawnPlacement:
-    """The placement of the next spawn (module docstring): ``configured`` is ``recover.rejoin_hosts``,
+    """The placement of the next spawn (module docstring): ``configured`` is ``recover.rejoin.hosts``,
     ``spare`` the launcher's free hosts (``ENV_SPARE_HOSTS``, ``name:free,...``, spare hosts first),
     ``failed_attempts`` how many attempts in a row failed (each moves the start of the list by one)."""
     if failed_attempts < 0:

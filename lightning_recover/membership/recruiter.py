@@ -1,6 +1,6 @@
 """Hot re-join over ULFM: replacement replicas start while the survivors train, and join at a step boundary.
 
-A job that lost replicas spawns replacements (``recover.rejoin=true``), up to the replica
+A job that lost replicas spawns replacements (``recover.rejoin.enabled=true``), up to the replica
 count it started with. A replacement takes the *logical ranks* of a lost replica (the
 layout never changes) and runs the same program: the interpreter and the original argv,
 behind ``python -m lightning_recover.cli.joiner`` (:mod:`lightning_recover.cli.joiner`), which
@@ -25,17 +25,17 @@ broadcasts its decision, one small broadcast per step while replicas are missing
              (:mod:`lightning_recover.membership.transfer`); every rank admits the new replicas into the policy
              (:meth:`StepEngine.admit`).
     DROP     a replacement died (the leader's probe of the merged communicator fails), the
-             spawn failed, the attempt passed ``rejoin_timeout_s``, or not every member came
+             spawn failed, the attempt passed ``rejoin.timeout_s``, or not every member came
              to the admission's barrier: the survivors drop the merged communicator (never
              revoke it: on Open MPI 5.0.11 revoking a communicator shared with a dead child
              wedged the survivors' next broadcast on their own world), the leader tells the
              replacements that said READY to ABORT, and the next attempt waits
-             ``rejoin_backoff_s`` (doubled per failure in a row). After ``rejoin_attempts``
+             ``rejoin.backoff_s`` (doubled per failure in a row). After ``rejoin.attempts``
              failures in a row the job carries on without.
 
 **What a failing replacement costs.** A replacement that exits (any status), crashes
 (SIGKILL) or wedges (SIGSTOP) at any point before admission costs the survivors at most
-its attempt: ``rejoin_timeout_s`` from the spawn (plus :data:`ADMIT_GRACE_S` if it fails
+its attempt: ``rejoin.timeout_s`` from the spawn (plus :data:`ADMIT_GRACE_S` if it fails
 inside an admission that began near the limit), then the usual drop, backoff and give-up.
 Two rules keep it so, because Open MPI 5.0.11 does not report every death: of two spawned
 processes that exit with a non-zero status, only one ever reaches the survivors as a
@@ -51,11 +51,11 @@ waits forever inside ``MPI_Isend`` (the address lookup that opens the connection
 
 On top of that the joiner turns a script's exit or uncaught exception before admission into
 SIGKILL (:mod:`lightning_recover.cli.joiner`), which Open MPI does report, so such an attempt is
-usually dropped at the next step boundary rather than after ``rejoin_timeout_s``.
+usually dropped at the next step boundary rather than after ``rejoin.timeout_s``.
 
 A repair of the survivors' world while an attempt is open drops it the same way (a
 survivor of the merged communicator is gone). A replacement that is never admitted leaves
-by itself after ``rejoin_timeout_s`` (the joiner's timer), so none outlives its attempt;
+by itself after ``rejoin.timeout_s`` (the joiner's timer), so none outlives its attempt;
 and when an attempt is dropped (or training ends) the leader SIGKILLs the attempt's
 replacements on its host that nobody tells to leave -- those that never said READY, and all
 of them once GO was sent -- from the pid and start time each sent right after the merge
@@ -66,7 +66,7 @@ A Spawn that never returns (a child killed before MPI_Init completed) leaves a p
 daemon thread behind: the attempt is dropped by its timeout, bounded by the attempt limit.
 
 Drops caused by the survivors' own repair (any attempt) are not failures: no backoff, not
-counted against ``rejoin_attempts``.
+counted against ``rejoin.attempts``.
 
 **Salvage** (``recover.salvage``): before any spawn, the leader may decide SEAT_ORPHANS: the
 orphans that waiting broken replicas left (:mod:`lightning_recover.membership.salvage` plans
@@ -112,7 +112,7 @@ if TYPE_CHECKING:
 __all__ = ["JoinAttempt", "Recruiter"]
 
 #: Seconds an admission may wait for every member beyond the attempt's limit (one that became
-#: ready just before ``rejoin_timeout_s`` still gets this long to meet the survivors).
+#: ready just before ``rejoin.timeout_s`` still gets this long to meet the survivors).
 ADMIT_GRACE_S = 10.0
 
 # The leader's per-boundary decision, broadcast to every survivor.
@@ -321,7 +321,7 @@ class Recruiter(WarmStandbys):
                 att.error = f"standby {att.leader.standby.number} died before it was merged"
                 return "failed"
             if timed_out:
-                att.error = f"the spawn did not complete in {self.timeout_s:g} s (recover.rejoin_timeout_s)"
+                att.error = f"the spawn did not complete in {self.timeout_s:g} s (recover.rejoin.timeout_s)"
                 return "failed"
             return "waiting"
         status = MPI.Status()
@@ -338,7 +338,7 @@ class Recruiter(WarmStandbys):
         if len(att.leader.ready) == att.size:
             return "ready"
         if timed_out:
-            att.error = f"{att.size - len(att.leader.ready)} replacement(s) not ready after {self.timeout_s:g} s (recover.rejoin_timeout_s)"
+            att.error = f"{att.size - len(att.leader.ready)} replacement(s) not ready after {self.timeout_s:g} s (recover.rejoin.timeout_s)"
             return "failed"
         return "waiting"
 
@@ -548,7 +548,7 @@ class Recruiter(WarmStandbys):
         After a repair nobody is told: a member of the merged communicator died, which
         interrupts the replacements' wait for the decision by itself. Such a drop
         (``repaired``) is the survivors' own doing, not the replacements' failure: it is not
-        counted against ``rejoin_attempts``, the next attempt starts at the next boundary
+        counted against ``rejoin.attempts``, the next attempt starts at the next boundary
         without backoff, and a standby's replacement that was merged keeps its seat (it asks
         to be merged again, see :func:`~lightning_recover.membership.handshake.connect`). One
         not merged yet may be blocked in ``MPI_Comm_connect`` against an accept that never
@@ -592,7 +592,7 @@ class Recruiter(WarmStandbys):
             print(
                 f"[lightning-recover] re-join attempt {att.number} dropped: {reason}; "
                 + (f"next attempt in {self.backoff_s * 2 ** (self.failures_in_a_row - 1):g} s" if more
-                   else f"{self.attempts} failed in a row (recover.rejoin_attempts): training goes on without"),
+                   else f"{self.attempts} failed in a row (recover.rejoin.attempts): training goes on without"),
                 file=sys.stderr, flush=True,
             )
 

@@ -1,6 +1,6 @@
 """Warm standbys: the leader keeps replica-sized sets of processes started ahead of any loss.
 
-**Warm standbys** (``recover.rejoin_standbys = n``). A cold replacement spends most of its
+**Warm standbys** (``recover.rejoin.standbys = n``). A cold replacement spends most of its
 time before the loss could matter to it: starting Python and MPI, importing torch and
 Lightning, running the script's set-up (on this project's 2-core machine, 8-15 s of the
 13-29 s measured from the kill to contributing again). So the leader keeps ``n`` standbys
@@ -35,7 +35,7 @@ Accept/Connect exchanges what ``han`` needs. A standby whose leader dies leaves 
 (an MPI error on the link, or the leader's pid gone from this host); the new leader spawns
 its own. At the end of training the leader tells its standbys to leave (``quit``) and
 fences (SIGKILL, same host) those that never said hello. A standby that dies is counted:
-after ``rejoin_attempts`` in a row the leader spawns no more and replacements are spawned
+after ``rejoin.attempts`` in a row the leader spawns no more and replacements are spawned
 cold again.
 
 Here: :class:`Standby`, one standby as the leader sees it, and :class:`WarmStandbys`, the
@@ -165,7 +165,7 @@ class WarmStandbys:
             self._poll_standby(sb)
             if sb.error is None and len(sb.warm) < self.shards and now - sb.spawned_at > self.timeout_s:
                 # A stopped or wedged standby never says WARM: without this, its seat would wait forever.
-                sb.error = f"not warm {self.timeout_s:g} s after its spawn (recover.rejoin_timeout_s)"
+                sb.error = f"not warm {self.timeout_s:g} s after its spawn (recover.rejoin.timeout_s)"
             if sb.error is not None and (self.attempt is None or self.attempt.leader.standby is not sb):
                 self._forget(sb, sb.error)
         self._seat_idle_standbys()
@@ -180,7 +180,7 @@ class WarmStandbys:
             self._spawn_standby()
             started += 1
         if started and not training:
-            print(f"[lightning-recover] {started} warm standby(s) starting while the job sets up (recover.rejoin_standbys)",
+            print(f"[lightning-recover] {started} warm standby(s) starting while the job sets up (recover.rejoin.standbys)",
                   file=sys.stderr, flush=True)
 
     def unserved(self) -> tuple[int, ...]:
@@ -220,13 +220,13 @@ class WarmStandbys:
             now = time.monotonic()
             if now - t0 >= limit_s:
                 print(f"[lightning-recover] {cold} standby(s) not warm after {limit_s:g} s "
-                      "(recover.rejoin_standbys_wait_s): training starts, they warm up beside it",
+                      "(recover.rejoin.standbys_wait_s): training starts, they warm up beside it",
                       file=sys.stderr, flush=True)
                 return
             if now - shown >= STANDBY_WAIT_SHOW_S:
                 shown = now
                 print(f"[lightning-recover] waiting for {cold} standby(s) to be warm: {now - t0:.0f} s of at most "
-                      f"{limit_s:g} s (recover.rejoin_standbys_wait_s)", file=sys.stderr, flush=True)
+                      f"{limit_s:g} s (recover.rejoin.standbys_wait_s)", file=sys.stderr, flush=True)
             time.sleep(STANDBY_WAIT_POLL_S)
             self.tend(training=False)
         if self.pool:
@@ -242,7 +242,7 @@ class WarmStandbys:
         self._fence_standby(sb, reason)
         print(f"[lightning-recover] standby {sb.number} lost: {reason}"
               + ("" if self.standby_failures < self.attempts else
-                 f"; {self.attempts} in a row (recover.rejoin_attempts): replacements are spawned cold from now on"),
+                 f"; {self.attempts} in a row (recover.rejoin.attempts): replacements are spawned cold from now on"),
               file=sys.stderr, flush=True)
 
     def _spawn_standby(self) -> None:

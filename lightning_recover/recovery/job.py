@@ -303,14 +303,14 @@ class RecoveryJob:
         if c.checkpoint.dir is not None:
             guarded.append(Path(c.checkpoint.dir))
         self.comm.guard_writes(guarded)
-        if c.rejoin or c.salvage:
+        if c.rejoin.enabled or c.salvage:
             self.recruiter = self._make_recruiter()
-            if self.joining is None and c.rejoin:
+            if self.joining is None and c.rejoin.enabled:
                 # Standbys start now, while this job still sets up, not after its first loss; the
                 # first step waits for them, every rank in a barrier that leaves the cores to them.
                 self.recruiter.tend(training=False)
-                if c.rejoin_standbys and c.rejoin_standbys_wait_s:
-                    self.recruiter.await_warm(c.rejoin_standbys_wait_s)
+                if c.rejoin.standbys and c.rejoin.standbys_wait_s:
+                    self.recruiter.await_warm(c.rejoin.standbys_wait_s)
                     # A rank lost while the others wait here is repaired like one lost in a step.
                     engine.run_collective(self.comm.barrier)
 
@@ -320,16 +320,17 @@ class RecoveryJob:
 
         def context() -> dict[str, Any]:
             return {
-                "world_size": layout.world_size, "timeout_s": c.rejoin_timeout_s,
+                "world_size": layout.world_size, "timeout_s": c.rejoin.timeout_s,
                 "heartbeats": str(self.watchdog.dir) if self.watchdog is not None else None,
                 "logger_versions": self.host.logger_versions(),
                 "environ": job_environ(),
             }
 
+        rejoin = c.rejoin
         return Recruiter(
-            self.comm, hosts=c.rejoin_hosts, attempts=c.rejoin_attempts, backoff_s=c.rejoin_backoff_s,
-            timeout_s=c.rejoin_timeout_s, context=context, standbys=c.rejoin_standbys, shards=c.shards,
-            fault_point=self._recruiter_fault_point, spawn=c.rejoin,
+            self.comm, hosts=rejoin.hosts, attempts=rejoin.attempts, backoff_s=rejoin.backoff_s,
+            timeout_s=rejoin.timeout_s, context=context, standbys=rejoin.standbys, shards=c.shards,
+            fault_point=self._recruiter_fault_point, spawn=rejoin.enabled,
         )
 
     def _recruiter_fault_point(self, phase: str, attempt: int) -> None:

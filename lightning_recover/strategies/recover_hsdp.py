@@ -41,13 +41,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
 from lightning_recover import _lightning
 from lightning_recover.comm.lobby import Orphaned
 from lightning_recover.comm.process_group import ProcessGroupULFM
 from lightning_recover.comm.replica_plane import data_parallel_comm, use_replica_plane
-from lightning_recover.config import RecoverConfig
+from lightning_recover.config import RecoverConfig, RecoverSettings
 from lightning_recover.feed.data import StepTicket, TicketLoader
 from lightning_recover.membership import orphan
 from lightning_recover.membership.seat import seat as spawned_seat
@@ -86,10 +86,12 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
     Pass ``config=RecoverConfig(...)`` (or a mapping of its fields: a dict, a DictConfig) or its fields as keywords (``shards``,
     ``grad_accum``, ``target_replicas``, ``policy``, ``min_replicas``, ``bucket_mb``, ``data_plane``,
-    ``replica_plane``, ``ledger_path``, ``seed``, ``timeout_s``, ``hang_timeout_s``, ``stuck_timeout_s``, and
-    ``checkpoint_dir`` / ``checkpoint_every_n_steps`` / ``checkpoint_async_save`` / ``checkpoint_consolidate`` for ``checkpoint``,
-    ``sdc_every_n_steps`` / ``sdc_action`` for ``sdc``, or the groups nested: ``checkpoint={"dir": ..., "every_n_steps": ...}``,
-    ``sdc={...}``; ``rejoin`` and its ``rejoin_*`` settings); every setting is documented and validated in
+    ``replica_plane``, ``ledger_path``, ``seed``, ``timeout_s``, ``hang_timeout_s``, ``stuck_timeout_s``, ``salvage``, ...),
+    the sections nested (``checkpoint={"dir": ..., "every_n_steps": ...}``, ``sdc={...}``, ``rejoin={"enabled": True,
+    "standbys": 2}``) or in their short forms (``checkpoint_dir`` / ``checkpoint_every_n_steps`` / ``checkpoint_async_save`` /
+    ``checkpoint_consolidate``, ``sdc_every_n_steps`` / ``sdc_action``, ``rejoin=True`` with ``rejoin_hosts`` /
+    ``rejoin_standbys`` / ...). The keywords are typed (:class:`lightning_recover.config.RecoverSettings`), so an IDE or a
+    type checker flags a misspelt one; every setting is documented and validated in
     :class:`lightning_recover.config.RecoverConfig`. A wrong key or value raises its ConfigurationError; uncaught in a
     launched rank it ends the job with one line and exit status 2 (:mod:`lightning_recover.runtime.refusal`).
 
@@ -101,7 +103,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
 
     strategy_name = "recover_hsdp"
 
-    def __init__(self, config: RecoverConfig | Mapping[str, Any] | None = None, **settings: Any) -> None:
+    def __init__(self, config: RecoverConfig | Mapping[str, Any] | None = None, **settings: Unpack[RecoverSettings]) -> None:
         # Tasks that srun started (no mpiexec) stop here, before the Trainer prints or writes anything
         # as "rank 0" on each of them (lifecycle.prepare_mpi checks again for other ways into MPI).
         refuse_direct_launch()
@@ -126,7 +128,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     engine = property(lambda self: self.job.engine, doc="The step engine (None before setup_environment).")
     policy = property(lambda self: self.job.policy, doc="The workload policy (None before setup_environment).")
     ledger = property(lambda self: self.job.ledger, doc="The step ledger (None without recover.ledger_path).")
-    recruiter = property(lambda self: self.job.recruiter, doc="The re-join recruiter (None without recover.rejoin).")
+    recruiter = property(lambda self: self.job.recruiter, doc="The re-join recruiter (None without recover.rejoin.enabled or recover.salvage).")
     watchdog = property(lambda self: self.job.watchdog, doc="The hang watchdog (None with it off).")
     probes = property(lambda self: self.job.probes, doc="The watchdog and fault-injection probes.")
     data = property(lambda self: self._steps.data, doc="The training microbatches (None before the train loader).")

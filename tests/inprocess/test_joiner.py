@@ -73,22 +73,25 @@ def test_the_breakdown_names_each_phase_reached_and_the_time_since_the_loss(monk
 
 
 def test_standby_count_is_validated_naming_the_value() -> None:
-    from lightning_recover.config import ConfigurationError, RecoverConfig
+    from lightning_recover.config import ConfigurationError, RecoverConfig, RejoinConfig
 
-    assert RecoverConfig(rejoin=True, rejoin_standbys=2).rejoin_standbys == 2
+    assert RecoverConfig(rejoin=RejoinConfig(enabled=True, standbys=2)).rejoin.standbys == 2
+    assert RecoverConfig.build(rejoin=True, rejoin_standbys=2).rejoin.standbys == 2  # the short form
     for bad in (-1, 1.5, True):
-        with pytest.raises(ConfigurationError, match="rejoin_standbys"):
-            RecoverConfig(rejoin_standbys=bad)
+        with pytest.raises(ConfigurationError, match=r"rejoin\.standbys.*set recover\.rejoin\.standbys"):
+            RejoinConfig(standbys=bad)
+        with pytest.raises(ConfigurationError, match=r"rejoin\.standbys.*set recover\.rejoin\.standbys"):
+            RecoverConfig.build(rejoin_standbys=bad)
 
 
 def test_standby_wait_is_validated_naming_the_value_and_the_fix() -> None:
-    from lightning_recover.config import ConfigurationError, RecoverConfig
+    from lightning_recover.config import ConfigurationError, RecoverConfig, RejoinConfig
 
-    assert RecoverConfig().rejoin_standbys_wait_s == 60.0
-    assert RecoverConfig(rejoin_standbys_wait_s=0).rejoin_standbys_wait_s == 0.0
+    assert RecoverConfig().rejoin.standbys_wait_s == 60.0
+    assert RejoinConfig(standbys_wait_s=0).standbys_wait_s == 0.0
     for bad in (-1, float("nan"), float("inf"), "10", True):
-        with pytest.raises(ConfigurationError, match=r"rejoin_standbys_wait_s.*set recover.rejoin_standbys_wait_s"):
-            RecoverConfig(rejoin_standbys_wait_s=bad)
+        with pytest.raises(ConfigurationError, match=r"rejoin\.standbys_wait_s.*set recover\.rejoin\.standbys_wait_s"):
+            RecoverConfig(rejoin={"standbys_wait_s": bad})
 
 
 def test_a_replacement_keeps_mpi_progress_until_it_is_admitted(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,7 +59,7 @@ def test_a_standby_that_never_warms_costs_at_most_the_limit(capsys: pytest.Captu
     leader = FakeLeader(2, 2, warm_at={1: 1})
     leader.await_warm(0.2)
     err = capsys.readouterr().err
-    assert "1 standby(s) not warm after 0.2 s (recover.rejoin_standbys_wait_s): training starts" in err
+    assert "1 standby(s) not warm after 0.2 s (recover.rejoin.standbys_wait_s): training starts" in err
     assert "ready" not in err
 
 

@@ -214,3 +214,27 @@ def test_iterable_dataset_with_len_refused() -> None:
 
     with pytest.raises(ConfigurationError, match="not map-style"):
         fit(ReCoVerHSDPStrategy(), DataLoader(SizedStream(), batch_size=2))
+
+
+def test_the_keyword_settings_are_typed_by_recover_settings() -> None:
+    # What an IDE or a type checker reads (issue 38): **settings is Unpack[RecoverSettings], whose keys
+    # tests/launched/test_config.py keeps equal to RecoverConfig's fields plus the short forms. No type
+    # checker runs here (none is installed): this pins the annotations that make one catch a typo.
+    import typing
+
+    import typing_extensions
+
+    from lightning_recover.config import RecoverConfig, RecoverSettings
+
+    unpack = {typing_extensions.Unpack, getattr(typing, "Unpack", typing_extensions.Unpack)}
+    for function in (ReCoVerHSDPStrategy.__init__, RecoverConfig.build, RecoverConfig.from_arguments):
+        hints = typing.get_type_hints(function, include_extras=True)
+        assert typing.get_origin(hints["settings"]) in unpack, (function, hints["settings"])
+        assert typing.get_args(hints["settings"]) == (RecoverSettings,), function
+    config = typing.get_type_hints(ReCoVerHSDPStrategy.__init__)["config"]
+    assert RecoverConfig in typing.get_args(config) and type(None) in typing.get_args(config)
+    # At run time the same typo is refused by name, with the nearest keyword.
+    with pytest.raises(ConfigurationError, match=r"recover.rejoin_standby is not a recover setting; did you mean rejoin_standbys\?"):
+        ReCoVerHSDPStrategy(rejoin=True, rejoin_standby=1)  # type: ignore[call-arg]
+    strategy = ReCoVerHSDPStrategy(rejoin=True, rejoin_standbys=1)
+    assert strategy.config == ReCoVerHSDPStrategy(rejoin={"enabled": True, "standbys": 1}).config

@@ -8,6 +8,8 @@ import os
 import re
 import subprocess
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_recover.config import POLICY_NAMES, CheckpointConfig, ConfigurationError, RecoverConfig, SDCConfig
+from lightning_recover.config import (
+    POLICY_NAMES, SHORT_FORMS, CheckpointConfig, ConfigurationError, RecoverConfig, RecoverSettings, RejoinConfig, SDCConfig,
+    fold_short_forms,
+)
 
 
 def refused(**kwargs: Any) -> str:
@@ -68,7 +73,9 @@ def refused(**kwargs: Any) -> str:
         ("checkpoint", {"dir": "x", "every": 2}, ["recover.checkpoint.every is not a recover.checkpoint setting; did you mean every_n_steps?"]),
         ("sdc", 5, ["recover.sdc=5 is not an SDCConfig"]),
         ("sdc", {"action": "fix"}, ["sdc.action must be 'repair' or 'evict', got 'fix'"]),
-        ("rejoin_hosts", ["node7", "node8"], ["rejoin_hosts must be a comma-separated host list, got ['node7', 'node8']"]),
+        ("rejoin", {"hosts": ["node7", "node8"]}, ["rejoin.hosts must be a comma-separated host list, got ['node7', 'node8']",
+                                                   "recover.rejoin.hosts=['node7', 'node8']", "e.g. recover.rejoin.hosts=node7,node8"]),
+        ("rejoin", "yes", ["recover.rejoin='yes' is not a RejoinConfig", "pass rejoin=True/False, RejoinConfig(enabled=..."]),
     ],
 )
 def test_each_bad_field_is_named_with_its_fix(field: str, value: Any, needles: list[str]) -> None:
@@ -217,8 +224,11 @@ def test_omegaconf_containers_are_settings() -> None:
     assert RecoverConfig.build(config=OmegaConf.structured(RecoverConfig(seed=4))) == RecoverConfig(seed=4)
     with pytest.raises(ConfigurationError, match=r"recover.grad_accum has no usable value \(Missing mandatory value: grad_accum\)"):
         RecoverConfig.build(config=OmegaConf.create({"grad_accum": "???"}))
-    with pytest.raises(ConfigurationError, match="rejoin_hosts must be a comma-separated host list"):
-        RecoverConfig.from_arguments(rejoin_hosts=OmegaConf.create(["node7"]))
+    with pytest.raises(ConfigurationError, match=r"rejoin\.hosts must be a comma-separated host list"):
+        RecoverConfig.from_arguments(rejoin_hosts=OmegaConf.create(["node7"]))  # type: ignore[arg-type]
+    assert RecoverConfig.build(config=OmegaConf.create({"rejoin": {"enabled": True, "standbys": 1}})).rejoin == RejoinConfig(
+        enabled=True, standbys=1
+    )
     with pytest.raises(ConfigurationError, match="unknown policy"):
         RecoverConfig.build(config=OmegaConf.create({"policy": {"name": "static"}}))
 
@@ -236,6 +246,163 @@ def test_hydra_instantiate_raises_ours_as_the_cause() -> None:
         instantiate(OmegaConf.create({"_target_": "lightning_recover.config.RecoverConfig", "sdc": {"every": 1}}))
     error = configuration_error(info.value)
     assert error is not None and "recover.sdc.every is not a recover.sdc setting" in str(error)
+
+
+# ---------------------------------------------------------------------- the rejoin section (issue 38)
+def test_the_rejoin_section_has_the_defaults_of_the_flat_fields_it_replaced() -> None:
+    section = RecoverConfig().rejoin
+    assert section == RejoinConfig() and not section.enabled
+    assert (section.hosts, section.attempts, section.backoff_s, section.timeout_s) == (None, 3, 5.0, 120.0)
+    assert (section.standbys, section.standbys_wait_s) == (0, 60.0)
+    assert RecoverConfig(rejoin=True).rejoin == RejoinConfig(enabled=True)  # a bool is the section's switch
+    assert RecoverConfig(rejoin=False) == RecoverConfig() == RecoverConfig(rejoin=None)  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        section.standbys = 2  # type: ignore[misc]
+
+
+def test_the_section_and_its_short_form_give_equal_configs() -> None:
+    from omegaconf import OmegaConf
+
+    section = {"enabled": True, "hosts": "node7,node8", "attempts": 2, "backoff_s": 0.5, "timeout_s": 30, "standbys": 1,
+               "standbys_wait_s": 0}
+    short = {"rejoin": True, **{f"rejoin_{k}": v for k, v in section.items() if k != "enabled"}}
+    expected = RecoverConfig(rejoin=RejoinConfig(**section))
+    assert expected.rejoin.timeout_s == 30.0 and type(expected.rejoin.timeout_s) is float
+    spellings = {
+        "constructor, mapping": RecoverConfig(rejoin=section),  # type: ignore[arg-type]
+        "build, section": RecoverConfig.build(rejoin=section),
+        "build, RejoinConfig": RecoverConfig.build(rejoin=RejoinConfig(**section)),
+        "build, short form": RecoverConfig.build(**short),
+        "from_mapping, section": RecoverConfig.from_mapping({"rejoin": section}),
+        "from_mapping, short form": RecoverConfig.from_mapping(short),
+        "config=DictConfig, section": RecoverConfig.build(config=OmegaConf.create({"rejoin": section})),
+        "config=DictConfig, short form": RecoverConfig.build(config=OmegaConf.create(short)),
+    }
+    for how, config in spellings.items():
+        assert config == expected, how
+    # Only some flat keys: the rest at the section's defaults; without rejoin=True re-join stays off.
+    assert RecoverConfig.build(rejoin_standbys=2) == RecoverConfig(rejoin=RejoinConfig(standbys=2))
+
+
+def test_a_typo_in_the_rejoin_section_names_the_key_and_the_fix() -> None:
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from lightning_recover.runtime.refusal import configuration_error
+
+    needle = ("recover.rejoin.standby is not a recover.rejoin setting; did you mean standbys? "
+              "remove it or use one of: enabled, hosts, attempts, backoff_s, timeout_s, standbys, standbys_wait_s")
+    for build in (
+        lambda: RecoverConfig.from_mapping({"rejoin": {"standby": 1}}),
+        lambda: RecoverConfig.build(config=OmegaConf.create({"rejoin": {"enabled": True, "standby": 1}})),
+        lambda: RecoverConfig.build(rejoin={"standby": 1}),
+        lambda: RecoverConfig(rejoin={"standby": 1}),  # type: ignore[arg-type]
+        lambda: RejoinConfig(standby=1),  # type: ignore[call-arg]
+    ):
+        with pytest.raises(ConfigurationError) as info:
+            build()
+        assert needle in str(info.value) and "\n" not in str(info.value)
+    with pytest.raises(InstantiationException) as hydra_info:
+        instantiate(OmegaConf.create({"_target_": "lightning_recover.config.RecoverConfig", "rejoin": {"standby": 1}}))
+    assert needle in str(configuration_error(hydra_info.value))
+    # A typo in the short form is named with the nearest short form.
+    with pytest.raises(ConfigurationError, match=re.escape("recover.rejoin_standby is not a recover setting; did you mean rejoin_standbys?")):
+        RecoverConfig.build(rejoin_standby=1)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("section", "needles"),
+    [
+        ({"enabled": "yes"}, ["rejoin.enabled must be true or false, got 'yes' (recover.rejoin.enabled='yes')",
+                              "set recover.rejoin.enabled=true to spawn replacements"]),
+        ({"hosts": " "}, ["rejoin.hosts must be a comma-separated host list, got ' '", "e.g. recover.rejoin.hosts=node7,node8"]),
+        ({"attempts": 0}, ["rejoin.attempts must be >= 1, got 0 (recover.rejoin.attempts=0)", "set recover.rejoin.attempts to a positive integer"]),
+        ({"attempts": 2.0}, ["rejoin.attempts must be an integer, got 2.0"]),
+        ({"backoff_s": -1}, ["rejoin.backoff_s must be a number of seconds, got -1 (recover.rejoin.backoff_s=-1)",
+                             "set recover.rejoin.backoff_s to the seconds between spawn attempts"]),
+        ({"timeout_s": 0}, ["rejoin.timeout_s must be a number of seconds, got 0", "set recover.rejoin.timeout_s"]),
+        ({"timeout_s": math.inf}, ["recover.rejoin.timeout_s=inf"]),
+        ({"standbys": -1}, ["rejoin.standbys must be >= 0, got -1 (recover.rejoin.standbys=-1)", "set recover.rejoin.standbys"]),
+        ({"standbys_wait_s": math.nan}, ["recover.rejoin.standbys_wait_s=nan", "set recover.rejoin.standbys_wait_s"]),
+    ],
+)
+def test_each_bad_rejoin_value_is_named_in_either_spelling(section: dict[str, Any], needles: list[str]) -> None:
+    (key, value), = section.items()
+    builds = [lambda: RejoinConfig(**section), lambda: RecoverConfig.build(rejoin=section)]
+    if key != "enabled":  # the short form of enabled is rejoin=<bool>: a non-bool there is not the switch
+        builds.append(lambda: RecoverConfig.build(**{f"rejoin_{key}": value}))
+    for build in builds:
+        with pytest.raises(ConfigurationError) as info:
+            build()
+        message = str(info.value)
+        for needle in needles:
+            assert needle in message, message
+        assert "\n" not in message, message
+    if key == "enabled":
+        with pytest.raises(ConfigurationError, match=re.escape("recover.rejoin='yes' is not a RejoinConfig; pass rejoin=True/False")):
+            RecoverConfig.build(rejoin=value)
+
+
+def test_the_short_form_and_the_section_are_not_mixed() -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(
+        "both rejoin=... and rejoin_hosts set recover.rejoin; pass the section once: either rejoin={'hosts': ...}"
+    )):
+        RecoverConfig.build(rejoin={"enabled": True}, rejoin_hosts="node7")
+    with pytest.raises(ConfigurationError, match="both rejoin=... and rejoin_standbys"):
+        RecoverConfig.from_mapping({"rejoin": RejoinConfig(), "rejoin_standbys": 1})
+    # The dataclass's own constructor keeps to its fields: a short form there says how to spell it.
+    with pytest.raises(ConfigurationError, match=re.escape(
+        "recover.rejoin_standbys is a short form that RecoverConfig(...) does not take; write rejoin={'standbys': ...} "
+        "(recover.rejoin.standbys), or pass rejoin_standbys=... to RecoverConfig.build(...)"
+    )):
+        RecoverConfig(rejoin_standbys=1)  # type: ignore[call-arg]
+    with pytest.raises(ConfigurationError, match=re.escape("recover.checkpoint_dir is a short form")):
+        RecoverConfig(checkpoint_dir="/ck")  # type: ignore[call-arg]
+    # A Hydra group spells the whole section: there a flat key the user adds wins over it.
+    folded = fold_short_forms({"rejoin": {"enabled": True, "standbys": 0}, "rejoin_standbys": 2}, flat_over_section=True)
+    assert folded == {"rejoin": {"enabled": True, "standbys": 2}}
+    assert fold_short_forms({"shards": 2, "rejoin": False}) == {"shards": 2, "rejoin": {"enabled": False}}
+
+
+# ---------------------------------------------------------------------- typed keywords (issue 38)
+def _members(hint: Any) -> set[Any]:
+    """The types a hint allows: the members of a union, or the hint itself."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return set(typing.get_args(hint))
+    return {hint}
+
+
+def test_recover_settings_types_every_field_and_short_form() -> None:
+    # The TypedDict the strategy's **settings are typed with cannot drift from the dataclass: a field
+    # added to RecoverConfig (or a short form to the builders) fails here until RecoverSettings has it.
+    keys = typing.get_type_hints(RecoverSettings)
+    field_names = [f.name for f in dataclasses.fields(RecoverConfig)]
+    assert set(keys) == set(field_names) | set(SHORT_FORMS)
+    assert not set(field_names) & set(SHORT_FORMS)
+    assert RecoverSettings.__total__ is False and not RecoverSettings.__required_keys__
+    # Each key allows at least what the field (or, for a short form, the section's field) holds.
+    fields = typing.get_type_hints(RecoverConfig)
+    sections = {"checkpoint": CheckpointConfig, "sdc": SDCConfig, "rejoin": RejoinConfig}
+    for key, hint in keys.items():
+        if key in fields:
+            wanted = fields[key]
+        else:
+            group, name = key.split("_", 1)
+            wanted = typing.get_type_hints(sections[group])[name]
+        assert _members(wanted) <= _members(hint), (key, wanted, hint)
+    assert bool in _members(keys["rejoin"]) and RejoinConfig in _members(keys["rejoin"])
+    # And every key is one the builders take (with the value of a default config).
+    defaults = dataclasses.asdict(RecoverConfig())
+    for key in keys:
+        if key in defaults:
+            value = defaults[key]
+        else:
+            group, name = key.split("_", 1)
+            value = defaults[group][name]
+        if key == "checkpoint_dir":
+            continue  # a flat checkpoint_dir asks for checkpoints: tested with a period above
+        RecoverConfig.build(**{key: value})
 
 
 # ---------------------------------------------------------------------- the job's size
@@ -295,15 +462,32 @@ valid_settings = st.fixed_dictionaries(
         "timeout_s": st.floats(1e-3, 1e6),
         "hang_timeout_s": st.none() | st.floats(0, 1e6) | st.just(math.inf),
         "stuck_timeout_s": st.none() | st.floats(0, 1e6),
+        "rejoin": st.booleans() | st.builds(
+            RejoinConfig, enabled=st.booleans(), hosts=st.none() | st.sampled_from(["node7", "node7:2,node8"]),
+            attempts=st.integers(1, 10), backoff_s=st.floats(0, 1e3), timeout_s=st.floats(1e-3, 1e4),
+            standbys=st.integers(0, 4), standbys_wait_s=st.floats(0, 1e3),
+        ),
     }
 )
+
+
+def flat_form(config: RecoverConfig) -> dict[str, Any]:
+    """``dataclasses.asdict(config)`` as a RecoverConfig before the rejoin section had it: ``rejoin`` a bool, ``rejoin_*`` beside it."""
+    old = dataclasses.asdict(config)
+    section = old.pop("rejoin")
+    old["rejoin"] = section.pop("enabled")
+    old.update({f"rejoin_{name}": value for name, value in section.items()})
+    return old
 
 
 @given(valid_settings, st.none() | st.integers(1, 1000))
 def test_any_valid_combination_constructs_and_round_trips(settings: dict[str, Any], every: int | None) -> None:
     checkpoint = CheckpointConfig() if every is None else CheckpointConfig(dir="ck", every_n_steps=every)
     config = RecoverConfig(**settings, checkpoint=checkpoint)
+    assert isinstance(config.rejoin, RejoinConfig)
     assert RecoverConfig.from_mapping(dataclasses.asdict(config)) == config
+    assert RecoverConfig.from_mapping(flat_form(config)) == config  # a mapping stored before the section
+    assert RecoverConfig.build(**flat_form(config)) == config
     assert dataclasses.replace(config) == config
 
 

@@ -128,7 +128,7 @@ def _names(pids: list[int]) -> list[str]:
 
 def test_replacements_rejoin_on_a_spare_host(tmp_path: Path, fake_cluster: Callable[..., FakeCluster]) -> None:
     # 3 hosts: the job runs on hosts 0 and 1 (2 replicas of 1 rank each), host 2 is the spare
-    # (recover.rejoin_hosts). Host 1 loses its ranks mid-reduce; replacements are spawned on
+    # (recover.rejoin.hosts). Host 1 loses its ranks mid-reduce; replacements are spawned on
     # host 2, healed from a survivor, and contribute again with B unchanged.
     cluster = fake_cluster(3)
     spare = cluster.hosts[2].name

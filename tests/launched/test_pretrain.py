@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from lightning_recover.audit.ledger import read_ledger
 from lightning_recover.audit.ledger_check import check_ledger
-from lightning_recover.config import CheckpointConfig, ConfigurationError, RecoverConfig
+from lightning_recover.config import CheckpointConfig, ConfigurationError, RecoverConfig, RejoinConfig
 from harness.mpirun import ROOT, run_mpi
 
 EXAMPLES = ROOT / "examples"
@@ -202,9 +202,13 @@ def test_recover_group_is_typed_by_recover_config() -> None:
     assert isinstance(group, dict)
     assert set(group) == {f.name for f in dataclasses.fields(RecoverConfig)} - {"seed"}
     assert set(group["checkpoint"]) == {f.name for f in dataclasses.fields(CheckpointConfig)}
+    assert set(group["rejoin"]) == {f.name for f in dataclasses.fields(RejoinConfig)}
     schema = pretrain.recover_schema()
     assert OmegaConf.get_type(schema) is RecoverConfig
     assert OmegaConf.get_type(schema.checkpoint) is CheckpointConfig
+    assert OmegaConf.get_type(schema.rejoin) is RejoinConfig
+    # The YAML's values are the dataclass's defaults (recover.rejoin=true keeps them: it replaces the section).
+    assert RejoinConfig(**group["rejoin"]) == RejoinConfig()
 
 
 def test_recover_config_is_built_once_from_the_group(tmp_path: Path) -> None:
@@ -228,6 +232,33 @@ def test_recover_config_is_built_once_from_the_group(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
+    "overrides",
+    [
+        ["recover.rejoin.enabled=true", "recover.rejoin.standbys=2", "recover.rejoin.hosts=node7"],  # the section
+        ["recover.rejoin=true", "+recover.rejoin_standbys=2", "+recover.rejoin_hosts=node7"],  # the short form
+        ["recover.rejoin.enabled=true", "+recover.rejoin_standbys=2", "+recover.rejoin_hosts=node7"],  # a flat key wins
+    ],
+)
+def test_rejoin_overrides_in_either_spelling_give_equal_configs(overrides: list[str]) -> None:
+    config = pretrain.recover_config(_with_ledger(cfg_of(*overrides), None))
+    assert config.rejoin == RejoinConfig(enabled=True, standbys=2, hosts="node7")
+    assert config == RecoverConfig(grad_accum=2, rejoin=RejoinConfig(enabled=True, standbys=2, hosts="node7"))
+
+
+def test_the_short_switch_never_drops_section_overrides_silently() -> None:
+    # Hydra turns recover.rejoin=true into a bool in place of the section: recover.rejoin.standbys=2
+    # given before it would be gone, so the run refuses that pair (pretrain reads the run's overrides).
+    raw = {"rejoin": True}
+    with pytest.raises(ConfigurationError, match=re.escape(
+        "recover.rejoin=true replaces the whole recover.rejoin section, so recover.rejoin.standbys=2 would be lost; "
+        "write recover.rejoin.enabled=true instead of recover.rejoin=true"
+    )):
+        pretrain.refuse_replaced_section(raw, ["recover.rejoin.standbys=2", "recover.rejoin=true"])
+    pretrain.refuse_replaced_section(raw, ["recover.rejoin=true", "+recover.rejoin_standbys=2"])  # the short forms together
+    pretrain.refuse_replaced_section({"rejoin": {"enabled": True}}, ["recover.rejoin.enabled=true", "recover.rejoin.standbys=2"])
+
+
+@pytest.mark.parametrize(
     ("override", "needles"),
     [
         ("recover.grad_accum=abc", ["grad_accum must be an integer", "recover.grad_accum='abc'", "set recover.grad_accum"]),
@@ -243,6 +274,12 @@ def test_recover_config_is_built_once_from_the_group(tmp_path: Path) -> None:
         ("+recover.checkpoint.keep=3", ["recover.checkpoint.keep is not a recover.checkpoint setting", "every_n_steps"]),
         ("+recover.seed=3", ["recover.seed=3", "use seed=N"]),
         ("recover.checkpoint.every_n_steps=2", ["recover.checkpoint.every_n_steps=2 > 0 needs recover.checkpoint.dir"]),
+        ("+recover.rejoin.standby=1", ["recover.rejoin.standby is not a recover.rejoin setting; did you mean standbys?",
+                                       "remove it or use one of: enabled, hosts"]),
+        ("recover.rejoin.standbys=-1", ["rejoin.standbys must be >= 0, got -1 (recover.rejoin.standbys=-1)", "set recover.rejoin.standbys"]),
+        ("recover.rejoin.attempts=many", ["rejoin.attempts must be an integer, got 'many'", "set recover.rejoin.attempts"]),
+        ("+recover.rejoin_standbys=-1", ["rejoin.standbys must be >= 0, got -1", "set recover.rejoin.standbys"]),
+        ("recover.rejoin=maybe", ["recover.rejoin='maybe' is not a RejoinConfig", "pass rejoin=True/False"]),
     ],
 )
 def test_recover_type_and_key_errors_name_the_value(override: str, needles: list[str]) -> None:

@@ -47,7 +47,7 @@ def test_two_replacements_that_exit_at_start_up_are_dropped_and_training_finishe
     for attempt in (1, 2):
         assert f"re-join attempt {attempt}: spawning 2 rank(s) for replica(s) [2, 3]" in err, job.describe()
         assert f"re-join attempt {attempt} dropped: " in err, job.describe()
-    assert "2 failed in a row (recover.rejoin_attempts): training goes on without" in err, job.describe()
+    assert "2 failed in a row (recover.rejoin.attempts): training goes on without" in err, job.describe()
     assert "re-join attempt 3" not in err
     # The replacements saw the job's world (4 ranks), not their spawn's (2).
     assert "train_worker: replacement for rank 3 (world 4) exits with status 3 (hard)" in err, job.describe()

@@ -98,6 +98,6 @@ def test_spawn_that_fails_is_retried_then_given_up_and_training_goes_on(tmp_path
     assert sorted(results) == [0] and results[0]["alive"] == [0]
     err = job.stderr
     assert "re-join attempt 1 dropped: spawn failed" in err and "re-join attempt 2 dropped: spawn failed" in err, job.describe()
-    assert "2 failed in a row (recover.rejoin_attempts): training goes on without" in err
+    assert "2 failed in a row (recover.rejoin.attempts): training goes on without" in err
     assert "re-join attempt 3" not in err
     assert "mpiexec exited with status" in err  # the runtime's status after the failed spawns, and why the job's is 0

@@ -211,8 +211,8 @@ def test_a_standby_stopped_while_importing_delays_the_first_step_at_most_the_wai
                        during=_signal_first_standby(tmp_path, signal.SIGSTOP, hit))
     _assert_replica_1_came_back(job, argv, 90, hit)
     err = job.stderr
-    waited = _line_index(err, r"1 standby\(s\) not warm after 5 s \(recover.rejoin_standbys_wait_s\): training starts")
-    given_up = _line_index(err, r"standby 1 lost: not warm 20 s after its spawn \(recover.rejoin_timeout_s\)")
+    waited = _line_index(err, r"1 standby\(s\) not warm after 5 s \(recover.rejoin.standbys_wait_s\): training starts")
+    given_up = _line_index(err, r"standby 1 lost: not warm 20 s after its spawn \(recover.rejoin.timeout_s\)")
     assert waited < given_up < _line_index(err, r"standby 2 takes the seat of replica 1"), job.describe()
     assert f"killing standby (pid {hit[0]}): standby 1: not warm 20 s" in err, job.describe()
     assert not Path(f"/proc/{hit[0]}").exists(), f"the stopped standby {hit[0]} outlived the job"

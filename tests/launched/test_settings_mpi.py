@@ -33,7 +33,7 @@ CASES: dict[str, str] = {
     "nested_checkpoint": "recover.checkpoint.every_n_step is not a recover.checkpoint setting; did you mean every_n_steps?",
     "nested_sdc": "sdc.action must be 'repair' or 'evict', got 'fix' (recover.sdc.action='fix'); set recover.sdc.action=repair",
     "both_forms": "both checkpoint=... and checkpoint_dir set recover.checkpoint; pass the group once",
-    "listconfig": "rejoin_hosts must be a comma-separated host list, got ['node7', 'node8']",
+    "listconfig": "rejoin.hosts must be a comma-separated host list, got ['node7', 'node8'] (recover.rejoin.hosts=",
     "config_dict": "recover.polcy is not a recover setting; did you mean policy?",
     "config_dictconfig": "shards must be a positive integer, got 0 (recover.shards=0)",
     "strategy_string": "accumulate_grad_batches=2: ReCoVerHSDPStrategy accumulates itself; remove accumulate_grad_batches",

@@ -61,12 +61,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sdc-every", type=int, default=1,
                     help="recover.sdc.every_n_steps (default 1: every run also counts as a false-positive check); 0 = off")
     ap.add_argument("--sdc-action", default="repair", help="recover.sdc.action")
-    ap.add_argument("--rejoin-hosts", default=None, help="recover.rejoin_hosts")
+    ap.add_argument("--rejoin-hosts", default=None, help="recover.rejoin.hosts")
     ap.add_argument("--salvage", action="store_true", help="recover.salvage: a broken replica's live ranks wait as orphans")
-    ap.add_argument("--rejoin-attempts", type=int, default=3, help="recover.rejoin_attempts")
-    ap.add_argument("--rejoin-timeout", type=float, default=60.0, help="recover.rejoin_timeout_s")
-    ap.add_argument("--rejoin-standbys", type=int, default=0, help="recover.rejoin_standbys (warm standbys)")
-    ap.add_argument("--rejoin-standbys-wait", type=float, default=60.0, help="recover.rejoin_standbys_wait_s")
+    ap.add_argument("--rejoin-attempts", type=int, default=3, help="recover.rejoin.attempts")
+    ap.add_argument("--rejoin-timeout", type=float, default=60.0, help="recover.rejoin.timeout_s")
+    ap.add_argument("--rejoin-standbys", type=int, default=0, help="recover.rejoin.standbys (warm standbys)")
+    ap.add_argument("--rejoin-standbys-wait", type=float, default=60.0, help="recover.rejoin.standbys_wait_s")
     ap.add_argument("--replacement-exit", action="append", default=[], metavar="RANK:HOW:STATUS",
                     help="the replacement of RANK exits with STATUS as the script starts (a broken node): HOW=raise "
                     "is sys.exit(STATUS), HOW=hard is os._exit(STATUS) (no Python exit path runs)")
