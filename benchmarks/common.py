@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from benchmarks.proctree import ProcessTree  # noqa: E402
+from benchmarks.proctree import ProcessTree
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The launched training job :func:`launch` runs.

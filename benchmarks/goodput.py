@@ -56,10 +56,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from benchmarks.common import launch, wait_quiet  # noqa: E402
-from benchmarks.proctree import become_subreaper  # noqa: E402
+from benchmarks.common import launch, wait_quiet
+from benchmarks.proctree import become_subreaper
 
-from lightning_recover.audit.ledger import resolve  # noqa: E402
+from lightning_recover.audit.ledger import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "goodput.json"

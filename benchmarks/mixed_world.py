@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from benchmarks.proctree import ProcessTree, become_subreaper  # noqa: E402
+from benchmarks.proctree import ProcessTree, become_subreaper
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "mixed_world.json"

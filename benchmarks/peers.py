@@ -70,9 +70,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
-from benchmarks.proctree import ProcessTree, _cmdline, become_subreaper, read_env  # noqa: E402
+from benchmarks.proctree import ProcessTree, cmdline, become_subreaper, read_env
 
-from lightning_recover.audit.ledger import microbatch_ids, resolve  # noqa: E402
+from lightning_recover.audit.ledger import microbatch_ids, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "benchmarks" / "bench_job.py"
@@ -312,7 +312,7 @@ def run_recover(args: argparse.Namespace, name: str, outdir: Path, *, rejoin: bo
 
 
 def _cmdline_has(pid: int, needle: str) -> bool:
-    return needle in _cmdline(pid)
+    return needle in cmdline(pid)
 
 
 def _read_json(path: Path) -> dict | None:

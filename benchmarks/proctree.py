@@ -64,11 +64,11 @@ def _stat(pid: int) -> tuple[str, str, int, int, int] | None:
     return name, fields[0], int(fields[1]), int(fields[3]), int(fields[19])
 
 
-def _all_pids() -> list[int]:
+def all_pids() -> list[int]:
     return [int(e) for e in os.listdir("/proc") if e.isdigit()]
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
     """``pid``'s command line, arguments joined by spaces ("" once it is gone or a zombie)."""
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -127,7 +127,7 @@ class ProcessTree:
 
     def poll(self) -> int | None:
         """Record the tree's current descendants; the root's exit status, or None while it runs."""
-        procs = {pid: st for pid in _all_pids() if (st := _stat(pid)) is not None}
+        procs = {pid: st for pid in all_pids() if (st := _stat(pid)) is not None}
         children: dict[int, list[int]] = {}
         for pid, st in procs.items():
             children.setdefault(st[2], []).append(pid)
@@ -151,7 +151,7 @@ class ProcessTree:
 
     def leftovers(self) -> dict[int, str]:
         """Live processes of the tree other than a root that already exited: pid -> name."""
-        procs = {pid: st for pid in _all_pids() if (st := _stat(pid)) is not None}
+        procs = {pid: st for pid in all_pids() if (st := _stat(pid)) is not None}
         sessions = {self.pid} | {p for p, start in self.seen.items() if p in procs and procs[p][4] == start and procs[p][3] == p}
         out: dict[int, str] = {}
         for pid, (name, state, _ppid, sid, start) in procs.items():

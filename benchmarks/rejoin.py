@@ -36,8 +36,8 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from benchmarks.common import launch, wait_quiet  # noqa: E402
-from benchmarks.proctree import become_subreaper  # noqa: E402
+from benchmarks.common import launch, wait_quiet
+from benchmarks.proctree import become_subreaper
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "rejoin.json"

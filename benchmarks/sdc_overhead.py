@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from benchmarks.common import bootstrap_ratio, launch, read_clock, wait_quiet  # noqa: E402
+from benchmarks.common import bootstrap_ratio, launch, read_clock, wait_quiet
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "sdc_overhead.json"

@@ -35,8 +35,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from benchmarks import peers  # noqa: E402
-from benchmarks.proctree import become_subreaper  # noqa: E402
+from benchmarks import peers
+from benchmarks.proctree import become_subreaper
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "step_cost.json"

@@ -173,10 +173,10 @@ def test_peers_quick_runs_ours_under_outside_kills_and_leaves_no_process(tmp_pat
     import time
 
     from benchmarks import peers
-    from benchmarks.proctree import _all_pids, _cmdline
+    from benchmarks.proctree import all_pids, cmdline
 
     def ours() -> set[int]:
-        return {p for p in _all_pids() if "bench_job" in _cmdline(p)}
+        return {p for p in all_pids() if "bench_job" in cmdline(p)}
 
     before = ours()
     rc = peers.main(["--quick", "--systems", "recover-ff", "recover", "--quiet-wait", "0", "--out", str(tmp_path / "p.json")])

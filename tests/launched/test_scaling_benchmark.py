@@ -48,10 +48,10 @@ def test_ledger_line_holds_every_id_of_the_step(tmp_path: Path) -> None:
 def test_quick_runs_the_curve_with_real_kills_and_leaves_no_process(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """``scaling.py --quick``: 4 and 8 ranks, 2 SIGKILLs each, every fault recovered with exact sums."""
-    from benchmarks.proctree import _all_pids, _cmdline
+    from benchmarks.proctree import all_pids, cmdline
 
     def ours() -> set[int]:
-        return {p for p in _all_pids() if "scaling_rank.py" in _cmdline(p)}
+        return {p for p in all_pids() if "scaling_rank.py" in cmdline(p)}
 
     before = ours()
     out_json = tmp_path / "scaling.json"
