@@ -207,12 +207,18 @@ def test_pure_layers_import_neither_torch_distributed_nor_mpi(layer: str) -> Non
     assert not wrong, "\n".join(wrong)
 
 
+def scanned_module(tmp_path: Path, relative: str, source: str) -> Path:
+    """A module of a throwaway package under ``tmp_path`` (``relative`` to the package), for a scanner's own test."""
+    path = tmp_path / PACKAGE / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(source)
+    return path
+
+
 def test_the_graph_sees_lazy_relative_and_type_checking_imports(tmp_path: Path) -> None:
     """The scanner itself: an upward import hidden in a function, a relative import and a TYPE_CHECKING one all count."""
-    pkg = tmp_path / PACKAGE / "comm"
-    pkg.mkdir(parents=True)
-    source = pkg / "x.py"
-    source.write_text(
+    source = scanned_module(
+        tmp_path, "comm/x.py",
         "from typing import TYPE_CHECKING\n"
         "from . import topology\n"
         "if TYPE_CHECKING:\n"
@@ -408,10 +414,8 @@ def test_no_recovery_hook_is_found_by_name() -> None:
 
 def test_the_hook_scanners_see_what_they_forbid(tmp_path: Path) -> None:
     """The scanners themselves, on the patterns of the code issue 38 replaced."""
-    pkg = tmp_path / PACKAGE / "callbacks"
-    pkg.mkdir(parents=True)
-    callback = pkg / "cb.py"
-    callback.write_text(
+    callback = scanned_module(
+        tmp_path, "callbacks/cb.py",
         "def f(trainer, strategy):\n"
         "    comm, engine = strategy.comm, strategy.engine\n"
         "    trainer.strategy.engine.run_collective(comm.barrier)\n"
@@ -421,8 +425,8 @@ def test_the_hook_scanners_see_what_they_forbid(tmp_path: Path) -> None:
     assert sorted(hit.split(" ", 1)[1] for hit in found) == sorted([
         "strategy.comm", "strategy.engine", "trainer.strategy.engine", "getattr(trainer.strategy, 'comm', None)",
     ]), found
-    dispatch = pkg / "d.py"
-    dispatch.write_text(
+    dispatch = scanned_module(
+        tmp_path, "callbacks/d.py",
         "HOOKS = ('on_before_reduce',)\n"
         "def dispatch(cbs, name, *args):\n"
         "    for cb in cbs:\n"
