@@ -239,7 +239,11 @@ class Recruiter(WarmStandbys):
         # O(1) on the steady step (every replica live); the missing ones are listed only when some are.
         if len(self.comm.alive_replicas) >= self.comm.layout.replicas:
             return False
-        return self._may_spawn() or self._reformation(spawn=False, seats=self.missing) is not None
+        if self._may_spawn():
+            return True
+        # Salvage without re-join: no orphan waiting (a whole replica lost) leaves nothing to plan, and every step
+        # after such a loss stays O(1) -- the missing replicas are listed only for orphans to fill them.
+        return bool(self.comm.lobbies) and self._reformation(spawn=False, seats=self.missing) is not None
 
     def _may_spawn(self) -> bool:
         """Whether re-join may spawn now (the same answer on every survivor: the leader's clock decides when)."""

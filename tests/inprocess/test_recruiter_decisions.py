@@ -93,6 +93,19 @@ def test_a_steady_boundary_does_not_list_the_replicas(monkeypatch: pytest.Monkey
     assert not r.active()
 
 
+def test_salvage_without_rejoin_after_a_whole_replica_lost_does_not_list_the_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The default (salvage on, re-join off): replica 3 lost whole, no orphan waits. Every later step asks the recruiter;
+    # with nothing to plan, the answer must not cost a pass over the replicas.
+    comm = FakeComm(RankLayout(20_000, 2), tuple(r for r in range(10_000) if r != 3))
+    r = recruiter(comm, spawn=False)
+
+    def listing(self: Recruiter) -> tuple[int, ...]:
+        raise AssertionError("missing was listed with no orphan waiting")
+
+    monkeypatch.setattr(Recruiter, "missing", property(listing))
+    assert not r.active()
+
+
 def test_orphans_take_a_seat_no_standby_serves_and_every_survivor_seats_the_same_orphans() -> None:
     # 3 x 2: replica 1 lost whole (a standby is seated on it), replica 2 lost shard 1 (orphan 4 holds shard 0).
     comm = FakeComm(RankLayout(6, 2), (0,), [orphans(4)])
