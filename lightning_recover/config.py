@@ -640,6 +640,12 @@ class RecoverConfig:
 
     # ------------------------------------------------------------------ derived values
     @property
+    def salvaging(self) -> bool:
+        """Salvage is on and can act: a replica of one rank (``shards=1``) leaves no live mate to orphan, so such
+        a job runs exactly as with salvage off (no recruiter, no lobby, nothing added to its steps)."""
+        return self.salvage and self.shards > 1
+
+    @property
     def bucket_bytes(self) -> int:
         """``bucket_mb`` in bytes; at least one float32 element."""
         return max(4, int(self.bucket_mb * 2**20))

@@ -212,7 +212,7 @@ class RecoveryJob:
             self.comm = FaultTolerantComm(
                 self.layout, bucket_bytes=self.config.bucket_bytes, data_plane=self.config.data_plane, plane_timeout_s=self.config.timeout_s
             )
-            self.comm.salvage = self.config.salvage
+            self.comm.salvage = self.config.salvaging
             mates = self.comm.world.Split(self.comm.replica, self.comm.shard)
         except MPI.Exception as exc:
             # A peer died after MPI_Init but before the communicator existed (during its imports,
@@ -241,7 +241,7 @@ class RecoveryJob:
             layout, joining.rank, bucket_bytes=self.config.bucket_bytes, data_plane=self.config.data_plane,
             plane_timeout_s=self.config.timeout_s,
         )
-        self.comm.salvage = self.config.salvage  # a seated orphan may be orphaned again (FaultTolerantComm.joiner)
+        self.comm.salvage = self.config.salvaging  # a seated orphan may be orphaned again (FaultTolerantComm.joiner)
         self.joining = joining
         # The replica-local group among this replica's replacements (all spawned together).
         mates = joining.children.Split(layout.replica_of(joining.rank), layout.shard_of(joining.rank))
@@ -303,7 +303,7 @@ class RecoveryJob:
         if c.checkpoint.dir is not None:
             guarded.append(Path(c.checkpoint.dir))
         self.comm.guard_writes(guarded)
-        if c.rejoin.enabled or c.salvage:
+        if c.rejoin.enabled or c.salvaging:
             self.recruiter = self._make_recruiter()
             if self.joining is None and c.rejoin.enabled:
                 # Standbys start now, while this job still sets up, not after its first loss; the

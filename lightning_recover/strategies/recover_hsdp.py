@@ -128,7 +128,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
     engine = property(lambda self: self.job.engine, doc="The step engine (None before setup_environment).")
     policy = property(lambda self: self.job.policy, doc="The workload policy (None before setup_environment).")
     ledger = property(lambda self: self.job.ledger, doc="The step ledger (None without recover.ledger_path).")
-    recruiter = property(lambda self: self.job.recruiter, doc="The re-join recruiter (None without recover.rejoin.enabled or recover.salvage).")
+    recruiter = property(lambda self: self.job.recruiter,
+                         doc="The re-join recruiter (None without recover.rejoin.enabled, or recover.salvage with shards > 1).")
     watchdog = property(lambda self: self.job.watchdog, doc="The hang watchdog (None with it off).")
     probes = property(lambda self: self.job.probes, doc="The watchdog and fault-injection probes.")
     data = property(lambda self: self._steps.data, doc="The training microbatches (None before the train loader).")
@@ -236,7 +237,7 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             joining, host = spawned_seat(), LightningBridge(self, trainer, on_ranks=self._set_ranks, on_membership=self._on_membership)
             if joining is None:
                 self.job.start(host)
-                if self.config.salvage:
+                if self.config.salvaging:
                     orphan.arm(self.config.salvage_wait_s)
             else:
                 self.job.start_replacement(joining, host)
