@@ -39,7 +39,7 @@ import numpy as np
 from lightning_recover.comm.lobby import Lobby
 from lightning_recover.comm.ulfm import failure_classes, mpi
 
-__all__ = ["LEAVE", "OrphanSeat", "await_seat", "connect_orphans", "dismiss", "send_seat"]
+__all__ = ["LEAVE", "OrphanSeat", "await_seat", "connect_orphans", "dismiss", "send_seat", "survivors_gone"]
 
 #: The leader's seat message to an orphan, on its lobby.
 TAG_ORPHAN_SEAT = 7310
@@ -109,8 +109,23 @@ def await_seat(lobby: Lobby, timeout_s: float) -> OrphanSeat | None:
                 raise
             # A member of the lobby died since: acknowledge it, so that ANY_SOURCE is served again.
             lobby.comm.Ack_failed()
+            if survivors_gone(lobby):
+                # Nobody is left to seat it or tell it to leave (they lost quorum, or died): waiting out
+                # salvage_wait_s would only hold mpiexec, and a supervisor's relaunch, open that long.
+                return OrphanSeat(LEAVE, (), "", "every survivor of its lobby is gone")
         time.sleep(ORPHAN_POLL_S)
     return None
+
+
+def survivors_gone(lobby: Lobby) -> bool:
+    """Whether every rank of ``lobby`` that is no orphan is known dead (ULFM's ``Get_failed``)."""
+    MPI = mpi()
+    failed = lobby.comm.Get_failed()
+    try:
+        dead = set(MPI.Group.Translate_ranks(failed, list(range(failed.Get_size())), lobby.comm.Get_group()))
+    finally:
+        failed.Free()
+    return all(r in dead for r, logical in enumerate(lobby.logical) if logical not in lobby.orphans)
 
 
 def connect_orphans(seat: OrphanSeat) -> tuple[Any, Any] | None:

@@ -88,6 +88,25 @@ def test_an_orphan_never_seated_leaves_when_training_ends(tmp_path: Path) -> Non
     assert wall_s < 120, f"the orphan held the job open: {wall_s:.0f} s\n{job.describe()}"
 
 
+def test_an_orphan_whose_survivors_all_died_leaves_at_once(tmp_path: Path) -> None:
+    """Salvage without re-join, 2 x 2: rank 3 SIGKILLed in step 2 (rank 2 waits as an orphan), then both ranks
+    of the other replica in step 4. Nobody is left to seat rank 2 or tell it to leave: it must leave when it
+    sees its lobby's survivors dead -- not after ``salvage_wait_s`` (300 s), which would hold ``mpiexec`` (and a
+    supervisor's relaunch) open that long."""
+    argv = ["--shards", "2", "--steps", "8", "--salvage"]
+    faults = [{"step": 2, "rank": 3, "phase": "backward", "kind": "kill"},
+              {"step": 4, "rank": 0, "phase": "backward", "kind": "kill"},
+              {"step": 4, "rank": 1, "phase": "backward", "kind": "kill"}]
+    started = time.monotonic()
+    job = train_worker(4, tmp_path, argv, faults, timeout=200)
+    wall_s = time.monotonic() - started
+    assert job.returncode != 0, f"every replica died, the job cannot have succeeded\n{job.describe()}"
+    err = job.stderr
+    assert "waits for a seat in a re-formed replica" in err, job.describe()
+    assert "rank 2: replica-consistency gate: an orphan not seated: every survivor of its lobby is gone" in err, job.describe()
+    assert wall_s < 120, f"the orphan held the job open: {wall_s:.0f} s\n{job.describe()}"
+
+
 def test_a_seated_orphan_is_orphaned_again_and_seated_again(tmp_path: Path) -> None:
     """2 x 2 with re-join and salvage: rank 3 SIGKILLed in step 2, its mate (rank 2) seated again with one
     spawned rank; that spawned rank SIGKILLed in the first step after it joined. Rank 2 -- still a
