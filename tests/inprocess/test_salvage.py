@@ -122,6 +122,14 @@ def test_the_salvage_settings_are_off_by_default_and_refuse_bad_values_by_name()
             RecoverConfig(salvage_wait_s=bad)
 
 
+def test_salvage_acts_only_where_a_replica_has_mates_to_orphan() -> None:
+    from lightning_recover.config import RecoverConfig
+
+    assert RecoverConfig(salvage=True, shards=2).salvaging
+    assert not RecoverConfig(salvage=True, shards=1).salvaging, "one rank per replica: no mate to keep, no recruiter"
+    assert not RecoverConfig(salvage=False, shards=2).salvaging
+
+
 @settings(max_examples=200, deadline=None)
 @given(rank=st.integers(-1, 64), members=st.lists(st.integers(0, 64), max_size=8), port=st.text(max_size=40),
        args=st.lists(st.text(max_size=20), max_size=6), count=st.integers(0, 8),
