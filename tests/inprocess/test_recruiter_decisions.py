@@ -94,7 +94,7 @@ def test_a_steady_boundary_does_not_list_the_replicas(monkeypatch: pytest.Monkey
 
 
 def test_salvage_without_rejoin_after_a_whole_replica_lost_does_not_list_the_replicas(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The default (salvage on, re-join off): replica 3 lost whole, no orphan waits. Every later step asks the recruiter;
+    # Salvage on, re-join off: replica 3 lost whole, no orphan waits. Every later step asks the recruiter;
     # with nothing to plan, the answer must not cost a pass over the replicas.
     comm = FakeComm(RankLayout(20_000, 2), tuple(r for r in range(10_000) if r != 3))
     r = recruiter(comm, spawn=False)
