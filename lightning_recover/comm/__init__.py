@@ -6,6 +6,7 @@
   netaddr        the address a replica's store listens on when it spans hosts
   mpi_wait       polite waits on MPI requests (oversubscribed hosts)
   quorum         the no-split-brain rule (pure): may this side of a failure go on?
+  quorum_watch   a rank that already knows its side lost quorum leaves, wherever it waits
   buckets        gradient buckets tagged with the world epoch they were reduced in
   interface      the communicator contract (ReplicaComm, PeerFailure, RepairResult)
   data_plane     the data-plane contract and the bucket reductions over MPI, fault-aware

@@ -35,7 +35,9 @@ when a :class:`FaultTolerantComm` is built.
   a partition, and only one side may train; a side that may not leaves with
   :func:`lightning_recover.runtime.lifecycle.quorum_exit`. A repair that does not return within
   ``$LIGHTNING_RECOVER_REPAIR_TIMEOUT`` seconds (300) ends the rank the same way: an
-  agreement that never returns must not hang the job. Ranks MPI declared dead are then
+  agreement that never returns must not hang the job, and a rank that already knows of
+  deaths that leave its side without quorum leaves wherever it waits
+  (:mod:`lightning_recover.comm.quorum_watch`). Ranks MPI declared dead are then
   fenced (:func:`lightning_recover.runtime.lifecycle.kill_process`): one that was only hung must
   never come back as a member.
 * **Write fences** (:mod:`lightning_recover.audit.fence`): the leader advances them at start,
@@ -78,6 +80,7 @@ from lightning_recover.comm.data_plane import DATA_PLANES, DataPlane, FailedPlan
 from lightning_recover.comm.interface import PeerFailure, RepairResult
 from lightning_recover.comm.lobby import Lobby, Orphaned
 from lightning_recover.comm.orphans import dismiss
+from lightning_recover.comm.quorum_watch import QuorumWatch
 from lightning_recover.comm.repair_bound import RepairBound, repair_timeout
 from lightning_recover.comm.topology import RankLayout
 from lightning_recover.comm.ulfm import (
@@ -146,6 +149,7 @@ class FaultTolerantComm(Collectives):
         self.job_id = ":".join(str(part) for part in rows[0][0])
         mpi_wait.agree((polite for _, polite, _ in rows), (reach for *_, reach in rows))
         self._open_plane()
+        self._watch.start()
 
     def _setup(self, layout: RankLayout, rank: int, bucket_bytes: int, data_plane: str, plane_timeout_s: float) -> None:
         if data_plane not in DATA_PLANES:
@@ -178,6 +182,8 @@ class FaultTolerantComm(Collectives):
         #: A repair or agreement that takes longer ends this rank as one without quorum (see :meth:`repair`).
         self.repair_timeout_s = repair_timeout()
         self._bound = RepairBound(self.repair_timeout_s, lambda why: self.quorum_exit(why))
+        # Started once this rank has a world; a repair or a join holds it off while the world changes.
+        self._watch = QuorumWatch(self._watch_verdict, lambda why: self.quorum_exit(why))
         #: This launch's name (host:pid:start of its first rank): what the write fences hold.
         self.job_id = ""
         # The write fences of the run's outputs (lightning_recover.audit.fence), set by guard_writes.
@@ -236,6 +242,13 @@ class FaultTolerantComm(Collectives):
         :mod:`lightning_recover.cli.joiner`). On success the world epoch advances past every
         member's and ``alive_replicas`` counts the joiners' replicas.
         """
+        with self._watch.changing():
+            grown = self._grow(merged, deadline)
+        if grown:
+            self._watch.start()  # a joiner's first world
+        return grown
+
+    def _grow(self, merged: MPI.Intracomm | None, deadline: float | None) -> bool:
         MPI = mpi()
         survivor = self.world is not None
         arrived = merged is not None and self._meet(merged, deadline)
@@ -553,7 +566,7 @@ class FaultTolerantComm(Collectives):
         # Open MPI's agreement can wait for good when a cut-off host's ranks are declared dead
         # one at a time (seen with 3 fake hosts, one partitioned): leave in bounded time instead,
         # as a side without quorum does, so that a supervising launcher relaunches the job.
-        with self._bound.within(f"the repair after world epoch {self.world_epoch}"):
+        with self._bound.within(f"the repair after world epoch {self.world_epoch}"), self._watch.changing():
             return self._repair(max_rounds, t0)
 
     def _repair(self, max_rounds: int, t0: float) -> RepairResult:
@@ -639,6 +652,33 @@ class FaultTolerantComm(Collectives):
         )
         return quorum.decide(self.alive_replicas, keep, certain, self.layout.replica_of(leader))
 
+    def _watch_verdict(self) -> tuple[object, str] | None:
+        """The quorum watch's read (:mod:`lightning_recover.comm.quorum_watch`): ``(world epoch, reason)`` when the
+        deaths this rank knows of already leave its side without quorum, else None."""
+        MPI = mpi()
+        world = self.world
+        if world is None:  # an orphan or a joiner: no side to judge
+            return None
+        try:
+            # A rank blocked outside MPI (compute, gloo) makes no progress, and ULFM learns of deaths
+            # only through progress; probing this process's own communicator drives it untouched.
+            MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
+            group = world.Get_failed()  # not acknowledged: the next agreement must still report them
+        except MPI.Exception:
+            return None
+        try:
+            if not group.Get_size():
+                return None
+            lost = set(self._logical(group))
+        finally:
+            group.Free()
+        members = self.members
+        present = [r for r in members if r not in lost]
+        verdict = self._quorum(set(members), present, set(self.layout.complete_replicas(present)), members[0])
+        if verdict.proceed:
+            return None
+        return self.world_epoch, f"world epoch {self.world_epoch}: rank(s) {sorted(lost)} known dead: {verdict.reason}"
+
     def guard_writes(self, directories: Sequence[str | os.PathLike[str]]) -> None:
         """Fence the run's outputs in ``directories`` with this launch and world epoch
         (:mod:`lightning_recover.audit.fence`); the leader takes the fences now and after every repair and join."""
@@ -682,6 +722,7 @@ class FaultTolerantComm(Collectives):
     def free(self) -> None:
         """Close the data plane, free the world and shard communicators (end of job; see lifecycle.end_job)."""
         MPI = mpi()
+        self._watch.stop()
         for plane in (self.data_plane, self._world_plane):
             if plane is not None:
                 plane.close()

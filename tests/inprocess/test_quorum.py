@@ -14,20 +14,8 @@ import pytest
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
+from harness.quorum_views import Cluster, clusters
 from lightning_recover.comm.quorum import certain_losses, decide
-
-
-@dataclass(frozen=True)
-class Cluster:
-    replicas: int
-    shards: int
-    host_of: dict[int, str]  # rank -> host
-
-    def replica_of(self) -> dict[int, int]:
-        return {r: r // self.shards for r in self.host_of}
-
-    def ranks(self) -> list[int]:
-        return sorted(self.host_of)
 
 
 @dataclass(frozen=True)
@@ -35,15 +23,6 @@ class Failure:
     killed: frozenset[int]  # ranks dead on hosts that stay up
     lost_hosts: frozenset[str]  # hosts gone with every rank on them
     sides: tuple[frozenset[str], ...]  # the live hosts, split by the cut
-
-
-@st.composite
-def clusters(draw: st.DrawFn) -> Cluster:
-    replicas = draw(st.integers(1, 6))
-    shards = draw(st.integers(1, 3))
-    hosts = [f"node{i}" for i in range(draw(st.integers(1, 4)))]
-    placement = {r: draw(st.sampled_from(hosts)) for r in range(replicas * shards)}
-    return Cluster(replicas, shards, placement)
 
 
 @st.composite
@@ -62,9 +41,7 @@ def verdict_of_side(cluster: Cluster, failure: Failure, side: frozenset[str], le
     replica_of = cluster.replica_of()
     present = [r for r in cluster.ranks() if cluster.host_of[r] in side and r not in failure.killed]
     lost = sorted(set(cluster.ranks()) - set(present))
-    complete = sorted(
-        q for q in range(cluster.replicas) if all(r in present for r in range(q * cluster.shards, (q + 1) * cluster.shards))
-    )
+    complete = cluster.complete(present)
     certain = certain_losses(lost, present, cluster.host_of, replica_of)
     return decide(range(cluster.replicas), complete, certain, replica_of[leader])
 

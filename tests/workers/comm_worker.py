@@ -91,6 +91,13 @@ def main() -> None:
         err = (out.double() - ref).abs()
         tol = torch.finfo(dtype).eps * ref.abs() + 1e-3
         result.update(max_err=float(err.max()), within=bool((err <= tol).all()), dtype=str(dtype))
+    elif scenario == "lost_quorum_in_compute":
+        # The victims die; the others compute (no MPI call) far longer than the test's bound.
+        comm.barrier()
+        if rank in victims:
+            die()
+        time.sleep(120)
+        result["woke"] = True
     else:
         tensors = rank_data(rank, sizes)
         out = [torch.empty_like(t) for t in tensors]
