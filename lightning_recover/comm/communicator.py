@@ -660,10 +660,10 @@ class FaultTolerantComm(Collectives):
         if world is None:  # an orphan or a joiner: no side to judge
             return None
         try:
-            # A rank blocked outside MPI (compute, gloo) makes no progress, and ULFM learns of deaths
-            # only through progress; probing this process's own communicator drives it untouched.
-            MPI.COMM_SELF.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG)
-            group = world.Get_failed()  # not acknowledged: the next agreement must still report them
+            # Reads what this rank's own waits (they drive MPI's progress) already learnt; a rank busy in
+            # compute learns of deaths at its next MPI call, as always. Not acknowledged: the next
+            # agreement must still report them.
+            group = world.Get_failed()
         except MPI.Exception:
             return None
         try:

@@ -11,7 +11,9 @@ and never left (``--hosts 3 --salvage --seed 949``, run 18).
 
 So a daemon thread reads, once a second, the deaths this rank already knows of (ULFM's
 ``Get_failed``; never acknowledged, the next agreement must still see them) and asks the
-rule the next repair will ask. When the answer is "no quorum" on two reads in a row of the
+rule the next repair will ask. It drives no MPI progress of its own: a rank blocked in a wait
+drives it (that is how it learns of the deaths), and one busy in compute learns of them at
+its next MPI call, as it always did. When the answer is "no quorum" on two reads in a row of the
 same world, the rank leaves as a side without quorum does
 (:func:`lightning_recover.runtime.lifecycle.quorum_exit`). The two reads leave a rank that
 is about to repair (milliseconds on one host) to reach the same verdict the usual way.

@@ -88,19 +88,20 @@ def test_replica_consistency_gate(tmp_path: Path) -> None:
         assert repair["lost_ranks"] == [2, 3] and repair["lost_replicas"] == [1]
 
 
-def test_a_rank_whose_side_lost_quorum_leaves_while_it_computes(tmp_path: Path) -> None:
-    # 2 x 2: ranks 1 and 3 die, so no replica is whole. Ranks 0 and 2 are in a 120 s
-    # computation, outside MPI: the quorum watch (comm/quorum_watch.py) still ends them
-    # within seconds, as a side without quorum, instead of when they next call MPI.
+def test_a_rank_whose_side_lost_quorum_leaves_while_it_waits_on_a_live_peer(tmp_path: Path) -> None:
+    # 2 x 2: ranks 1 and 3 die, so no replica is whole. Ranks 0 and 2 each wait up to 120 s for a
+    # message the other never sends, a wait no death fails (as a cut-off rank waits on a spawned
+    # mate no detector watches): the quorum watch (comm/quorum_watch.py) ends them within
+    # seconds, as a side without quorum.
     t0 = time.monotonic()
-    job, results = _run(tmp_path, "lost_quorum_in_compute", "1,3", shards=2)
+    job, results = _run(tmp_path, "lost_quorum_waiting_on_a_live_peer", "1,3", shards=2)
     took = time.monotonic() - t0
     assert results == {}, job.describe()
     for rank in (0, 2):
         # The first of them to leave may be known dead to the other too.
         found = re.search(rf"rank {rank}: no quorum: world epoch 0: rank\(s\) \[([0-9, ]+)\] known dead: no complete replica survived", job.stderr)
         assert found and {1, 3} <= {int(r) for r in found[1].split(", ")}, job.describe()
-    assert took < 60, f"the job took {took:.0f} s: the survivors waited for their computation to end\n{job.describe()}"
+    assert took < 60, f"the job took {took:.0f} s: the survivors waited out their receive\n{job.describe()}"
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

@@ -91,12 +91,17 @@ def main() -> None:
         err = (out.double() - ref).abs()
         tol = torch.finfo(dtype).eps * ref.abs() + 1e-3
         result.update(max_err=float(err.max()), within=bool((err <= tol).all()), dtype=str(dtype))
-    elif scenario == "lost_quorum_in_compute":
-        # The victims die; the others compute (no MPI call) far longer than the test's bound.
+    elif scenario == "lost_quorum_waiting_on_a_live_peer":
+        # The victims die; each other rank waits for a message from a live peer that never sends it
+        # (as a rank waits on a replacement no failure detector watches): no MPI call of theirs fails.
         comm.barrier()
         if rank in victims:
             die()
-        time.sleep(120)
+        peer = next(r for r in range(layout.world_size) if r not in victims and r != rank)
+        request = comm.world.Irecv(bytearray(8), source=peer, tag=77)
+        deadline = time.monotonic() + 120
+        while not request.Test() and time.monotonic() < deadline:
+            time.sleep(0.01)
         result["woke"] = True
     else:
         tensors = rank_data(rank, sizes)
