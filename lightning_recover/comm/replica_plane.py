@@ -25,7 +25,15 @@ The contract of :class:`MPIAllGather` and :class:`MPIReduceScatter`:
   (the launcher's ``--hang-timeout``) or killed by the heartbeat watchdog, whichever
   comes first. Any other MPI error propagates unchanged.
 * **Waiting.** On a host with more ranks than cores a collective waits without spinning
-  (:mod:`~lightning_recover.comm.mpi_wait`): the mate it waits for gets the core.
+  (:mod:`~lightning_recover.comm.mpi_wait`): the mate it waits for gets the core. A rank
+  waiting for a late mate is not stuck in compute: the wait runs inside the ``waiting``
+  context the strategy gives (its probes pause the watchdog's progress rule, as for every
+  other MPI wait of the step). Before, a rank whose mate came later than the stuck timeout
+  into an all-gather (a mate still loading its batch; the first step after a relaunch on a
+  loaded host, seen in the host salvage campaign) was killed as stuck, and its healthy
+  replica lost with it. A mate truly stuck in compute is caught by the watchdog of a rank on
+  its own host; one alone on its host never was by this rule (only by chance, through a mate
+  killed for waiting), and is left to the supervisor's stall timeout.
 * **Threads.** Called on the thread that runs forward and backward, while the overlapped
   cross-replica reduction may use the shard communicator on a helper thread (MPI is
   initialized with ``MPI_THREAD_MULTIPLE``).
@@ -41,8 +49,9 @@ The contract of :class:`MPIAllGather` and :class:`MPIReduceScatter`:
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,8 +91,10 @@ def resolve_replica_plane(setting: str, data_plane: str, device_type: str) -> st
 class _ReplicaCollective:
     """What both collectives share: the communicator, plain buffers, the failure rule."""
 
-    def __init__(self, comm: MPI.Intracomm) -> None:
+    def __init__(self, comm: MPI.Intracomm, waiting: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
         self.comm = comm
+        # Entered around every wait for the mates (the strategy's probes: waiting is not computing).
+        self._waiting = waiting
         #: Collectives run so far (what a test checks to know this plane carried them).
         self.calls = 0
 
@@ -95,10 +106,11 @@ class _ReplicaCollective:
 
         self.calls += 1
         try:
-            if mpi_wait.polite():
-                mpi_wait.wait(nonblocking(*args, **kwargs))
-            else:
-                blocking(*args, **kwargs)
+            with self._waiting():
+                if mpi_wait.polite():
+                    mpi_wait.wait(nonblocking(*args, **kwargs))
+                else:
+                    blocking(*args, **kwargs)
         except MPI.Exception as exc:
             if exc.Get_error_class() not in failure_classes() and not _has_failed(self.comm):
                 raise
@@ -184,15 +196,20 @@ def _bytes(t: Tensor) -> Any:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def use_replica_plane(model: torch.nn.Module, comm: MPI.Intracomm) -> tuple[MPIAllGather, MPIReduceScatter]:
-    """Give every FSDP unit of ``model`` the MPI collectives over ``comm`` (shared by all units).
+def use_replica_plane(
+    model: torch.nn.Module,
+    comm: MPI.Intracomm,
+    waiting: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+) -> tuple[MPIAllGather, MPIReduceScatter]:
+    """Give every FSDP unit of ``model`` the MPI collectives over ``comm`` (shared by all units);
+    each wait for the mates runs inside ``waiting()``.
 
     A unit with several parameter groups (a per-parameter mesh) keeps torch's group:
     FSDP2 refuses one custom collective for them.
     """
     from torch.distributed.fsdp import FSDPModule
 
-    gather, scatter = MPIAllGather(comm), MPIReduceScatter(comm)
+    gather, scatter = MPIAllGather(comm, waiting), MPIReduceScatter(comm, waiting)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             try:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -263,7 +263,8 @@ class ReCoVerHSDPStrategy(ParallelStrategy):
             shard_model(self.model, self.device_mesh)
             if self.replica_plane == "mpi":
                 fsdp_comm = data_parallel_comm(self.job.mates, self.config.tensor_parallel)
-                self._replica_collectives = use_replica_plane(self.model, fsdp_comm)
+                waiting = self.probes.waiting if self.probes is not None else nullcontext
+                self._replica_collectives = use_replica_plane(self.model, fsdp_comm, waiting)
         if self.watchdog is not None and self.watchdog.stuck_timeout is not None:
             install_progress_hooks(self.model, self.watchdog.tick)
         # The sharded parameters, kept: between forward and backward FSDP2 registers a unit's
