@@ -50,7 +50,7 @@ class QuorumWatch:
         self.period_s = period_s
         self._verdict = verdict
         self._leave = leave
-        #: Held by whoever changes the world (repair, join, free); the watch skips a read while it is taken.
+        #: Held by whoever changes the world (a repair, a join); the watch skips a read while it is taken.
         self.lock = threading.Lock()
         self._seen: object | None = None  # the world whose "no quorum" the previous read found
         self._stopped = threading.Event()

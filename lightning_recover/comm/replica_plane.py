@@ -29,11 +29,12 @@ The contract of :class:`MPIAllGather` and :class:`MPIReduceScatter`:
   waiting for a late mate is not stuck in compute: the wait runs inside the ``waiting``
   context the strategy gives (its probes pause the watchdog's progress rule, as for every
   other MPI wait of the step). Before, a rank whose mate came later than the stuck timeout
-  into an all-gather (a mate still loading its batch; the first step after a relaunch on a
-  loaded host, seen in the host salvage campaign) was killed as stuck, and its healthy
-  replica lost with it. A mate truly stuck in compute is caught by the watchdog of a rank on
-  its own host; one alone on its host never was by this rule (only by chance, through a mate
-  killed for waiting), and is left to the supervisor's stall timeout.
+  into an all-gather was killed as stuck, and its healthy replica lost with it: seen three
+  times in the host salvage campaign (seed 959), the late mate most likely still in the
+  cross-replica reduction, waiting on a slow rank of another replica. A mate truly stuck in
+  compute is caught by the watchdog of a rank on its own host; one alone on its host never
+  was by this rule (only by chance, through a mate killed for waiting), and is left to the
+  supervisor's stall timeout.
 * **Threads.** Called on the thread that runs forward and backward, while the overlapped
   cross-replica reduction may use the shard communicator on a helper thread (MPI is
   initialized with ``MPI_THREAD_MULTIPLE``).
